@@ -1,0 +1,109 @@
+"""The ``LoadStoreSpec`` family: where a worker finds or puts the bytes of blocks."""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+BlockIds = npt.NDArray[np.int64]
+
+
+def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_ids") -> BlockIds:
+    """Return ``block_ids`` as a read-only 1-D int64 array, validating it.
+
+    Raises ``ValueError`` for a non 1-D or negative input.
+    """
+    arr = np.array(block_ids, dtype=np.int64, copy=True)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"{what} must be non-negative, got {int(arr.min())}")
+    arr.flags.writeable = False
+    return arr
+
+
+class LoadStoreSpec(ABC):
+    """Abstract description of a source or destination of a block transfer."""
+
+    @staticmethod
+    @abstractmethod
+    def medium() -> str:
+        """The medium's name (``"GPU"``, ``"CPU"``, a secondary tier type...)."""
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
+    """Blocks identified by their index in the medium's block array."""
+
+    def __init__(self, block_ids: Sequence[int] | npt.ArrayLike) -> None:
+        self.block_ids: BlockIds = as_block_ids(block_ids)
+
+    def __len__(self) -> int:
+        return int(self.block_ids.size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.block_ids.tolist()})"
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """Rows of the CPU primary tier's host buffer."""
+
+    @staticmethod
+    def medium() -> str:
+        return "CPU"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU KV-cache blocks, possibly of several KV-cache groups.
+
+    With several groups the block ids are ordered by group: ``group_sizes[i]``
+    blocks belong to group ``i`` and ``sum(group_sizes) == len(block_ids)``.
+    ``group_sizes=None`` means a single group.
+
+    ``block_indices[i]`` is the logical index (within its request) of the first
+    block of group ``i``. Workers need it when an offloaded block spans several
+    GPU blocks: a group whose first GPU block is not aligned to the offloaded
+    block size starts part-way into the first offloaded block.
+    """
+
+    def __init__(
+        self,
+        block_ids: Sequence[int] | npt.ArrayLike,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(block_ids)
+        sizes = None if group_sizes is None else tuple(int(s) for s in group_sizes)
+        if sizes is not None:
+            if any(s < 0 for s in sizes):
+                raise ValueError(f"group_sizes must be non-negative, got {list(sizes)}")
+            if sum(sizes) != len(self):
+                raise ValueError(
+                    f"sum(group_sizes)={sum(sizes)} must equal len(block_ids)={len(self)}"
+                )
+        indices = None if block_indices is None else tuple(int(i) for i in block_indices)
+        if indices is not None:
+            num_groups = 1 if sizes is None else len(sizes)
+            if len(indices) != num_groups:
+                raise ValueError(
+                    f"len(block_indices)={len(indices)} must equal the number of "
+                    f"KV cache groups ({num_groups})"
+                )
+            if any(i < 0 for i in indices):
+                raise ValueError(f"block_indices must be non-negative, got {list(indices)}")
+        self.group_sizes: tuple[int, ...] | None = sizes
+        self.block_indices: tuple[int, ...] | None = indices
+
+    @staticmethod
+    def medium() -> str:
+        return "GPU"
+
+    def groups(self) -> list[BlockIds]:
+        """The block ids split per KV-cache group."""
+        if self.group_sizes is None:
+            return [self.block_ids]
+        bounds = np.cumsum((0, *self.group_sizes))
+        return [self.block_ids[a:b] for a, b in itertools.pairwise(bounds.tolist())]

@@ -1,0 +1,220 @@
+"""``AsyncTier``: the class a tier author subclasses.
+
+A tier is a coroutine service over its own medium (files, a key-value server,
+memory...). The framework runs it on a dedicated event-loop thread and does
+everything else: job ids, primary-buffer rows, pins, deadlines, bounding
+concurrency, results, presence bookkeeping for lookups, and events.
+
+The implementor's contract
+--------------------------
+**Thread.** Every method of a tier is called on the tier's own event-loop
+thread, never concurrently with ``open``/``aclose``, and may be called
+concurrently with itself for *different* keys (up to ``max_concurrency``
+operations at once). The framework never issues two operations on the same
+key at once. Nothing a tier does may block the loop: use native async clients,
+``loop.add_reader`` style I/O, or ``asyncio.to_thread`` / an executor for
+blocking calls.
+
+**Buffers.** ``data`` (``write``) and ``into`` (``read``) are memoryviews of
+exactly ``block_bytes`` bytes, usually rows of the primary tier's host
+buffer. They are valid only until the coroutine returns (or is cancelled):
+never keep a reference. A ``read`` fills all of ``into`` or raises.
+
+**Cancellation.** Any coroutine may be cancelled (deadline expiry, shutdown).
+A cancelled ``write`` must never leave a readable partial block: make the
+block visible (to ``contains``/``read``) only once all its bytes are durable
+in the medium. A cancelled ``read`` may leave ``into`` partly written; the
+framework discards it.
+
+**Errors.** Raise, never return sentinels. A missing block raises
+:class:`~tiering.errors.BlockNotFound`; bytes that fail verification raise
+:class:`~tiering.errors.CorruptBlock`; anything else (``OSError``,
+``TimeoutError``, a client's error) propagates. The framework turns every
+error into a failed job, a counter and one log line; a failed load is a miss.
+
+**Evictions.** A bounded tier that drops blocks on its own (eviction,
+corruption found, server-side expiry) calls :meth:`AsyncTier.report_removed`
+so lookups stop answering True for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiering.errors import PartialBatchError
+from tiering.keys import OffloadKey
+
+
+@dataclass(frozen=True, slots=True)
+class TierContext:
+    """What the framework tells a tier when it opens it.
+
+    ``block_bytes`` is the size of every block. ``layout_fingerprint`` names
+    the KV layout (model, dtype, geometry, block size): a persistent tier must
+    never serve bytes written under another fingerprint. ``name`` is the
+    tier's label in logs and metrics.
+    """
+
+    block_bytes: int
+    layout_fingerprint: str = ""
+    name: str = "tier"
+
+
+class AsyncTier:
+    """Base class of every secondary tier (see the module docstring for the contract).
+
+    Required: :meth:`contains`, :meth:`read`, :meth:`write`. Optional with
+    defaults: :meth:`open`, :meth:`delete`, :meth:`contains_many`,
+    :meth:`read_many`, :meth:`write_many`, :meth:`list_keys`, :meth:`touch`,
+    :meth:`aclose`.
+    """
+
+    #: Most operations the framework runs on this tier at once.
+    max_concurrency: int = 16
+    #: True when other processes may add or drop blocks behind this tier's
+    #: back (shared storage): lookups of unknown keys are then resolved with
+    #: ``contains_many`` instead of being answered False from local knowledge.
+    shared: bool = False
+
+    _context: TierContext | None = None
+    _removed_sink: Callable[[Sequence[OffloadKey]], None] | None = None
+
+    @property
+    def context(self) -> TierContext:
+        """The context given to :meth:`open` (raises before it)."""
+        if self._context is None:
+            raise RuntimeError(f"{type(self).__name__} has not been opened")
+        return self._context
+
+    @property
+    def block_bytes(self) -> int:
+        return self.context.block_bytes
+
+    async def open(self, context: TierContext) -> None:
+        """Prepare the medium (connect, create or recover files). Called once, first.
+
+        Override to do real work; call ``await super().open(context)`` first.
+        A failure here fails the tier's construction with the same exception.
+        Cancellation: the framework cancels a hung ``open`` at its deadline and
+        then calls ``aclose``.
+        """
+        self._context = context
+
+    async def contains(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s block is fully written and readable.
+
+        Cancellation: no side effects, safe to cancel at any point.
+        """
+        raise NotImplementedError
+
+    async def read(self, key: OffloadKey, into: memoryview) -> None:
+        """Copy ``key``'s block into ``into`` (exactly ``block_bytes`` bytes).
+
+        Raises :class:`~tiering.errors.BlockNotFound` if absent and
+        :class:`~tiering.errors.CorruptBlock` if its bytes fail verification.
+        Cancellation: ``into`` may be left partly written; it is discarded.
+        """
+        raise NotImplementedError
+
+    async def write(self, key: OffloadKey, data: memoryview) -> None:
+        """Store ``data`` as ``key``'s block, replacing any previous one.
+
+        Bounded tiers evict (and :meth:`report_removed`) to make room.
+        Cancellation: the block must be either absent or complete afterwards,
+        never readable with partial bytes.
+        """
+        raise NotImplementedError
+
+    async def delete(self, key: OffloadKey) -> None:
+        """Drop ``key``'s block if present (no error if absent).
+
+        Default: not supported (raises ``NotImplementedError``).
+        Cancellation: the block is either still present and intact, or gone.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support delete")
+
+    async def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark blocks recently used for the tier's eviction policy. Default: nothing."""
+
+    async def list_keys(self) -> Iterable[OffloadKey]:
+        """Keys readable right after :meth:`open` (e.g. recovered from disk). Default: none.
+
+        The framework calls it once after ``open`` to seed the presence view
+        that answers lookups without a round trip.
+        """
+        return ()
+
+    async def contains_many(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """``contains`` for several keys at once (one round trip where the medium allows).
+
+        Default: ``contains`` for each key, concurrently.
+        """
+        return list(await asyncio.gather(*(self.contains(k) for k in keys)))
+
+    async def read_many(self, keys: Sequence[OffloadKey], into: Sequence[memoryview]) -> None:
+        """``read`` for several keys; batch it where the medium allows.
+
+        Raises :class:`~tiering.errors.PartialBatchError` naming the keys that
+        succeeded and the error of each one that failed. Default: ``read`` for
+        each key concurrently. Cancellation: as for ``read``.
+        """
+        pairs = list(zip(keys, into, strict=True))
+        await _run_batch(keys, [self.read(k, b) for k, b in pairs], self.max_concurrency)
+
+    async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
+        """``write`` for several keys; batch it where the medium allows.
+
+        Raises :class:`~tiering.errors.PartialBatchError` like ``read_many``.
+        Cancellation: as for ``write``, per block.
+        """
+        pairs = list(zip(keys, data, strict=True))
+        await _run_batch(keys, [self.write(k, d) for k, d in pairs], self.max_concurrency)
+
+    async def aclose(self) -> None:
+        """Release connections, files and tasks. Called once, last; must be idempotent.
+
+        Cancellation: the framework gives it a bounded time, then abandons it.
+        """
+
+    # -- provided to tiers by the framework -------------------------------------------------
+
+    def report_removed(self, keys: Sequence[OffloadKey]) -> None:
+        """Tell the framework these blocks are gone (evicted, corrupt, expired).
+
+        Call it from the tier's own loop thread; cheap, never blocks.
+        """
+        if self._removed_sink is not None and keys:
+            self._removed_sink(keys)
+
+    def _bind_removed_sink(self, sink: Callable[[Sequence[OffloadKey]], None]) -> None:
+        """Framework hook: where :meth:`report_removed` delivers (the runtime sets it)."""
+        self._removed_sink = sink
+
+
+async def _run_batch(
+    keys: Sequence[OffloadKey],
+    coros: list[Coroutine[Any, Any, None]],
+    max_concurrency: int,
+) -> None:
+    """Run one coroutine per key, at most ``max_concurrency`` at once; collect failures."""
+    limit = asyncio.Semaphore(max(1, max_concurrency))
+
+    async def bounded(coro: Coroutine[Any, Any, None]) -> None:
+        async with limit:
+            await coro
+
+    results = await asyncio.gather(*(bounded(c) for c in coros), return_exceptions=True)
+    errors: dict[bytes, BaseException] = {}
+    succeeded: list[bytes] = []
+    for key, outcome in zip(keys, results, strict=True):
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+            errors[key] = outcome
+        else:
+            succeeded.append(key)
+    if errors:
+        raise PartialBatchError(succeeded, errors)
