@@ -1,0 +1,28 @@
+"""Suite-wide pytest configuration: Hypothesis profiles.
+
+``ci`` (the default) runs enough examples to matter in a few minutes;
+``deep`` is for local soak runs: ``HYPOTHESIS_PROFILE=deep make unit``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "deep",
+    max_examples=2000,
+    stateful_step_count=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", max_examples=30, stateful_step_count=30, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
