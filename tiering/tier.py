@@ -40,9 +40,10 @@ so lookups stop answering True for them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from tiering.errors import PartialBatchError
 from tiering.keys import OffloadKey
@@ -150,9 +151,19 @@ class AsyncTier:
     async def contains_many(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """``contains`` for several keys at once (one round trip where the medium allows).
 
-        Default: ``contains`` for each key, concurrently.
+        Default: ``contains`` for each key, at most ``max_concurrency`` at once;
+        the first error raised by any of them propagates. Cancellation: the
+        pending checks are cancelled; no side effects.
         """
-        return list(await asyncio.gather(*(self.contains(k) for k in keys)))
+        outcomes = await _run_bounded(
+            [functools.partial(self.contains, k) for k in keys], self.max_concurrency
+        )
+        answers: list[bool] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            answers.append(outcome)
+        return answers
 
     async def read_many(self, keys: Sequence[OffloadKey], into: Sequence[memoryview]) -> None:
         """``read`` for several keys; batch it where the medium allows.
@@ -162,7 +173,9 @@ class AsyncTier:
         each key concurrently. Cancellation: as for ``read``.
         """
         pairs = list(zip(keys, into, strict=True))
-        await _run_batch(keys, [self.read(k, b) for k, b in pairs], self.max_concurrency)
+        await _run_batch(
+            keys, [functools.partial(self.read, k, b) for k, b in pairs], self.max_concurrency
+        )
 
     async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
         """``write`` for several keys; batch it where the medium allows.
@@ -171,7 +184,9 @@ class AsyncTier:
         Cancellation: as for ``write``, per block.
         """
         pairs = list(zip(keys, data, strict=True))
-        await _run_batch(keys, [self.write(k, d) for k, d in pairs], self.max_concurrency)
+        await _run_batch(
+            keys, [functools.partial(self.write, k, d) for k, d in pairs], self.max_concurrency
+        )
 
     async def aclose(self) -> None:
         """Release connections, files and tasks. Called once, last; must be idempotent.
@@ -194,25 +209,48 @@ class AsyncTier:
         self._removed_sink = sink
 
 
+T = TypeVar("T")
+
+
+async def _run_bounded(
+    operations: Sequence[Callable[[], Awaitable[T]]], max_concurrency: int
+) -> list[T | Exception]:
+    """Run ``operations`` with at most ``max_concurrency`` in flight; one outcome per operation.
+
+    Operations are started lazily by a fixed set of worker tasks, so a
+    cancelled batch never leaves a created-but-never-awaited coroutine behind
+    and a batch of 10,000 keys does not create 10,000 tasks. An operation's
+    ``Exception`` becomes its outcome; cancellation cancels every worker (the
+    task group) and propagates.
+    """
+    outcomes: dict[int, T | Exception] = {}
+    indices = iter(range(len(operations)))
+
+    async def worker() -> None:
+        for i in indices:
+            try:
+                outcomes[i] = await operations[i]()
+            except Exception as exc:
+                outcomes[i] = exc
+
+    num_workers = min(max(1, max_concurrency), len(operations))
+    async with asyncio.TaskGroup() as group:
+        for _ in range(num_workers):
+            group.create_task(worker())
+    return [outcomes[i] for i in range(len(operations))]
+
+
 async def _run_batch(
     keys: Sequence[OffloadKey],
-    coros: list[Coroutine[Any, Any, None]],
+    operations: Sequence[Callable[[], Awaitable[None]]],
     max_concurrency: int,
 ) -> None:
-    """Run one coroutine per key, at most ``max_concurrency`` at once; collect failures."""
-    limit = asyncio.Semaphore(max(1, max_concurrency))
-
-    async def bounded(coro: Coroutine[Any, Any, None]) -> None:
-        async with limit:
-            await coro
-
-    results = await asyncio.gather(*(bounded(c) for c in coros), return_exceptions=True)
+    """Run one operation per key, at most ``max_concurrency`` at once; collect failures."""
+    outcomes = await _run_bounded(operations, max_concurrency)
     errors: dict[bytes, BaseException] = {}
     succeeded: list[bytes] = []
-    for key, outcome in zip(keys, results, strict=True):
+    for key, outcome in zip(keys, outcomes, strict=True):
         if isinstance(outcome, BaseException):
-            if isinstance(outcome, asyncio.CancelledError):
-                raise outcome
             errors[key] = outcome
         else:
             succeeded.append(key)
