@@ -18,7 +18,9 @@ class JobMetadata:
 
     ``block_ids[i]`` is the primary-buffer row that holds (store) or receives
     (load) the block ``keys[i]``. ``is_promotion`` is True for loads into the
-    primary tier.
+    primary tier. Construction validates the fields (``ValueError``/``TypeError``
+    naming the job) and freezes ``keys`` into a tuple and ``block_ids`` into a
+    read-only int64 array.
     """
 
     job_id: JobId
@@ -28,6 +30,10 @@ class JobMetadata:
     req_context: ReqContext = field(default_factory=ReqContext)
 
     def __post_init__(self) -> None:
+        if isinstance(self.job_id, bool) or not isinstance(self.job_id, int) or self.job_id < 0:
+            raise ValueError(f"job_id must be a non-negative int, got {self.job_id!r}")
+        if not isinstance(self.is_promotion, bool):
+            raise TypeError(f"job {self.job_id}: is_promotion must be a bool")
         object.__setattr__(self, "keys", tuple(self.keys))
         object.__setattr__(self, "block_ids", as_block_ids(self.block_ids))
         if len(self.keys) != len(self.block_ids):

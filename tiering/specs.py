@@ -15,9 +15,14 @@ BlockIds = npt.NDArray[np.int64]
 def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_ids") -> BlockIds:
     """Return ``block_ids`` as a read-only 1-D int64 array, validating it.
 
-    Raises ``ValueError`` for a non 1-D or negative input.
+    Raises ``ValueError`` for a non 1-D or negative input and ``TypeError``
+    for values that are not integers (floats, bools, strings would otherwise
+    be silently truncated or parsed).
     """
-    arr = np.array(block_ids, dtype=np.int64, copy=True)
+    raw = np.asarray(block_ids)
+    if raw.size and raw.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got dtype {raw.dtype}")
+    arr = raw.astype(np.int64, copy=True)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
     if arr.size and int(arr.min()) < 0:

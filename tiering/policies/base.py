@@ -20,25 +20,31 @@ class EvictionPolicy(ABC, Generic[K]):
     Contract (checked by :meth:`check_invariants` and the reusable state
     machine in :mod:`tiering.testing.policy_machine`):
 
-    * ``insert`` of a key not resident makes it resident; the owner never
-      inserts more than ``capacity`` keys (it evicts first).
+    * ``insert`` of a key not resident makes it resident. The owner evicts
+      first: inserting a resident key, or any key while ``capacity`` keys are
+      resident, raises ``ValueError`` and changes nothing.
     * ``access`` of a resident key records a use; of a non-resident key it is
       ignored.
     * ``remove`` of a resident key forgets it without recording it as evicted
       (no ghost entry); of a non-resident key it is ignored.
     * ``evict(n, can_evict)`` removes and returns up to ``n`` resident keys
       for which ``can_evict(key)`` is True, in the policy's order. It returns
-      fewer only when fewer evictable keys exist.
+      fewer only when fewer evictable keys exist. ``can_evict`` must not
+      change the policy.
     """
 
     def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self.capacity = capacity
 
     @abstractmethod
     def insert(self, key: K) -> None:
-        """Record that ``key`` became resident (raises ``ValueError`` if already resident)."""
+        """Record that ``key`` became resident.
+
+        Raises ``ValueError`` (changing nothing) if it is already resident or
+        the policy is full.
+        """
 
     @abstractmethod
     def access(self, key: K) -> None:

@@ -21,9 +21,12 @@ class LRUPolicy(EvictionPolicy[K]):
         self._order: OrderedDict[K, None] = OrderedDict()
 
     def insert(self, key: K) -> None:
-        if key in self._order:
+        order = self._order
+        if key in order:
             raise ValueError(f"{key!r} is already resident")
-        self._order[key] = None
+        if len(order) >= self.capacity:
+            raise ValueError(f"cannot insert {key!r}: {self.capacity} keys resident, evict first")
+        order[key] = None
 
     def access(self, key: K) -> None:
         if key in self._order:
@@ -36,13 +39,15 @@ class LRUPolicy(EvictionPolicy[K]):
         victims: list[K] = []
         if n <= 0:
             return victims
+        # Collect first, delete after: an OrderedDict cannot change while iterated.
         for key in self._order:
             if can_evict(key):
                 victims.append(key)
                 if len(victims) == n:
                     break
+        order = self._order
         for key in victims:
-            del self._order[key]
+            del order[key]
         return victims
 
     def __contains__(self, key: object) -> bool:

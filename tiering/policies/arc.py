@@ -1,0 +1,192 @@
+"""Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) behind the owner-driven interface.
+
+ARC keeps two resident lists and two ghost lists, each in LRU order (oldest first):
+
+* ``T1``: resident keys seen once recently (recency);
+* ``T2``: resident keys seen at least twice recently (frequency);
+* ``B1`` / ``B2``: ghosts, the keys most recently evicted from ``T1`` / ``T2``
+  (keys only, no data).
+
+A target size ``p`` for ``T1`` adapts to the workload: re-inserting a key
+remembered in ``B1`` means ``T1`` was too small (``p`` grows by
+``max(|B2|/|B1|, 1)``); one remembered in ``B2`` means ``T2`` was too small
+(``p`` shrinks by ``max(|B1|/|B2|, 1)``). Either ghost hit becomes resident in
+``T2``. A new key enters ``T1``. Victims come from ``T1`` while ``|T1| > p``
+and from ``T2`` otherwise (the paper's REPLACE), skipping keys the owner
+cannot evict (pinned) and falling back to the other list when one list has no
+evictable key; every victim becomes a ghost.
+
+Differences from the paper, both forced by the owner-driven interface (the
+owner evicts to make room, then inserts): the victims for a ghost hit are
+chosen with ``p`` as it was before that hit adapts it, and REPLACE's tie rule
+for a ``B2`` hit (evict from ``T1`` when ``|T1| == p``) is not applied because
+``evict`` does not know which key is coming. Both only shift one decision per
+ghost hit; the invariants below hold exactly.
+
+Invariants (``c`` = capacity): ``|T1| + |T2| <= c``, ``|T1| + |B1| <= c``,
+``|T1| + |T2| + |B1| + |B2| <= 2c``, ``0 <= p <= c``, the four lists disjoint.
+Every operation is O(1) (plus the pinned keys ``evict`` skips).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import Literal, NamedTuple
+
+from tiering.policies.base import EvictionPolicy, K
+
+ARCList = Literal["T1", "T2", "B1", "B2"]
+
+# "Not found" for dict.pop: keys may be any hashable, None included.
+_MISSING = object()
+
+
+class ARCSizes(NamedTuple):
+    """Lengths of ARC's four lists."""
+
+    t1: int
+    t2: int
+    b1: int
+    b2: int
+
+
+class ARCPolicy(EvictionPolicy[K]):
+    """Adaptive Replacement Cache: balances recency (T1) and frequency (T2) by ghost hits.
+
+    See the module docstring for the algorithm and its two documented
+    differences from the paper.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._t1: OrderedDict[K, None] = OrderedDict()
+        self._t2: OrderedDict[K, None] = OrderedDict()
+        self._b1: OrderedDict[K, None] = OrderedDict()
+        self._b2: OrderedDict[K, None] = OrderedDict()
+        self._p = 0.0
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def target_t1(self) -> float:
+        """ARC's adaptive target ``p`` for the size of ``T1`` (0 <= p <= capacity)."""
+        return self._p
+
+    def sizes(self) -> ARCSizes:
+        """Current lengths of ``T1``, ``T2``, ``B1`` and ``B2``."""
+        return ARCSizes(len(self._t1), len(self._t2), len(self._b1), len(self._b2))
+
+    def list_of(self, key: object) -> ARCList | None:
+        """Which of ARC's lists holds ``key`` (``None`` if it is neither resident nor a ghost)."""
+        if key in self._t1:
+            return "T1"
+        if key in self._t2:
+            return "T2"
+        if key in self._b1:
+            return "B1"
+        if key in self._b2:
+            return "B2"
+        return None
+
+    # -- the EvictionPolicy interface -------------------------------------------------------
+
+    def insert(self, key: K) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if key in t1 or key in t2:
+            raise ValueError(f"{key!r} is already resident")
+        capacity = self.capacity
+        if len(t1) + len(t2) >= capacity:
+            raise ValueError(f"cannot insert {key!r}: {capacity} keys resident, evict first")
+        if key in b1:
+            # Case II: evicted from T1 too early, so T1 deserves more room.
+            self._p = min(float(capacity), self._p + max(len(b2) / len(b1), 1.0))
+            del b1[key]
+            t2[key] = None
+        elif key in b2:
+            # Case III: evicted from T2 too early, so T2 deserves more room.
+            self._p = max(0.0, self._p - max(len(b1) / len(b2), 1.0))
+            del b2[key]
+            t2[key] = None
+        else:
+            # Case IV: a new key. Trim the ghosts so the directory stays within
+            # |T1|+|B1| <= c and 2c in total. As |T1|+|T2| < c here, the list
+            # trimmed is never empty.
+            if len(t1) + len(b1) >= capacity:
+                b1.popitem(last=False)
+            elif len(t1) + len(t2) + len(b1) + len(b2) >= 2 * capacity:
+                b2.popitem(last=False)
+            t1[key] = None
+
+    def access(self, key: K) -> None:
+        t2 = self._t2
+        if key in t2:
+            t2.move_to_end(key)
+        elif key in self._t1:
+            # A second use: promote from recency to frequency.
+            del self._t1[key]
+            t2[key] = None
+
+    def remove(self, key: K) -> None:
+        if self._t1.pop(key, _MISSING) is _MISSING:
+            self._t2.pop(key, None)
+
+    def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
+        victims: list[K] = []
+        if n <= 0:
+            return victims
+        t1, t2 = self._t1, self._t2
+        # Scans continue where they stopped, so pinned keys are skipped once per call.
+        scan1: Iterator[K] = (k for k in t1 if can_evict(k))
+        scan2: Iterator[K] = (k for k in t2 if can_evict(k))
+        t1_exhausted = t2_exhausted = False
+        from_t1: list[K] = []
+        from_t2: list[K] = []
+        t1_left = len(t1)  # |T1| once the victims chosen so far are gone
+        p = self._p
+        while len(victims) < n and not (t1_exhausted and t2_exhausted):
+            if (t1_left > p and not t1_exhausted) or t2_exhausted:
+                try:
+                    key = next(scan1)
+                except StopIteration:
+                    t1_exhausted = True
+                    continue
+                from_t1.append(key)
+                t1_left -= 1
+            else:
+                try:
+                    key = next(scan2)
+                except StopIteration:
+                    t2_exhausted = True
+                    continue
+                from_t2.append(key)
+            victims.append(key)
+        b1, b2 = self._b1, self._b2
+        for key in from_t1:
+            del t1[key]
+            b1[key] = None
+        for key in from_t2:
+            del t2[key]
+            b2[key] = None
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __iter__(self) -> Iterator[K]:
+        return chain(self._t1, self._t2)
+
+    def check_invariants(self) -> None:
+        c = self.capacity
+        t1, t2, b1, b2 = self.sizes()
+        assert t1 + t2 <= c, f"|T1|+|T2| = {t1}+{t2} > c = {c}"
+        assert t1 + b1 <= c, f"|T1|+|B1| = {t1}+{b1} > c = {c}"
+        assert t1 + t2 + b1 + b2 <= 2 * c, f"total {t1 + t2 + b1 + b2} > 2c = {2 * c}"
+        assert 0.0 <= self._p <= c, f"p = {self._p} outside [0, {c}]"
+        lists = (self._t1, self._t2, self._b1, self._b2)
+        union = set().union(*lists)
+        assert len(union) == t1 + t2 + b1 + b2, "ARC lists are not disjoint"
