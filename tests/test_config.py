@@ -1,0 +1,285 @@
+"""Configuration: every bad value of ``kv_connector_extra_config`` raises a ConfigError
+naming the key and what is accepted; good values build the whole stack; a failed
+build leaves nothing behind."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any
+
+import pytest
+
+from tiering.config import BlockGeometry, TieringConfig
+from tiering.errors import ConfigError, TierClosedError
+from tiering.spec import TieringOffloadingSpec
+
+GIB = 1 << 30
+BASE: dict[str, Any] = {"cpu_bytes_to_use": 64 * 4096}
+
+
+def parse(**overrides: Any) -> TieringConfig:
+    return TieringConfig.from_extra_config({**BASE, **overrides})
+
+
+def test_minimal_config_has_the_documented_defaults() -> None:
+    config = TieringConfig.from_extra_config({"cpu_bytes_to_use": 10 * GIB})
+    assert config == TieringConfig(cpu_bytes_to_use=10 * GIB)
+    assert config.block_size is None
+    assert config.eviction_policy == "lru"
+    assert config.secondary_tiers == ()
+    assert config.store_threshold == 0
+    assert config.backfill_earlier_tiers is True
+
+
+def test_full_seed_example_parses() -> None:
+    config = TieringConfig.from_extra_config(
+        {
+            "cpu_bytes_to_use": 10737418240,
+            "block_size": 16,
+            "eviction_policy": "arc",
+            "secondary_tiers": [{"type": "memory", "capacity_blocks": 67}],
+            "store_threshold": 1,
+            # keys of the engine itself are not ours and are ignored
+            "spec_name": "TieringOffloadingSpec",
+            "spec_module_path": "tiering.integrations.vllm",
+        }
+    )
+    assert config.cpu_bytes_to_use == 10737418240
+    assert config.block_size == 16
+    assert config.eviction_policy == "arc"
+    assert [dict(t) for t in config.secondary_tiers] == [{"type": "memory", "capacity_blocks": 67}]
+    assert config.store_threshold == 1
+
+
+def test_json_style_values_are_accepted() -> None:
+    # JSON from a command line may give integral floats and nulls for "default".
+    config = parse(
+        cpu_bytes_to_use=1e9,
+        block_size=None,
+        eviction_policy=" ARC ",
+        secondary_tiers=None,
+        store_threshold=None,
+    )
+    assert config.cpu_bytes_to_use == 1_000_000_000
+    assert isinstance(config.cpu_bytes_to_use, int)
+    assert config.eviction_policy == "arc"
+    assert config.secondary_tiers == ()
+    assert config.store_threshold == 0
+
+
+def test_tier_configs_are_copied_and_read_only() -> None:
+    tiers = [{"type": "memory", "capacity_blocks": 3}]
+    config = parse(secondary_tiers=tiers)
+    tiers[0]["capacity_blocks"] = 99
+    assert config.secondary_tiers[0]["capacity_blocks"] == 3
+    with pytest.raises(TypeError):
+        config.secondary_tiers[0]["capacity_blocks"] = 5  # type: ignore[index]
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        TieringConfig.from_extra_config([("cpu_bytes_to_use", 1)])  # type: ignore[arg-type]
+
+
+def test_cpu_bytes_to_use_is_required() -> None:
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use is required.*bytes"):
+        TieringConfig.from_extra_config({"block_size": 16})
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "10GB", 1.5, math.nan, math.inf, None, [1]])
+def test_bad_cpu_bytes_to_use(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use must be a positive integer"):
+        parse(cpu_bytes_to_use=value)
+
+
+@pytest.mark.parametrize("value", [0, -16, False, "16", 2.5])
+def test_bad_block_size(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"block_size must be a positive integer"):
+        parse(block_size=value)
+
+
+@pytest.mark.parametrize("value", ["fifo", "", 3, ["lru"], "lru2"])
+def test_bad_eviction_policy(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"eviction_policy must be 'lru' or 'arc'"):
+        parse(eviction_policy=value)
+
+
+@pytest.mark.parametrize("value", [{"type": "memory"}, "memory", 3, b"x"])
+def test_secondary_tiers_must_be_a_list(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers must be a list"):
+        parse(secondary_tiers=value)
+
+
+def test_secondary_tier_entry_must_be_a_mapping() -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\] must be a mapping"):
+        parse(secondary_tiers=[{"type": "memory"}, "memory"])
+
+
+@pytest.mark.parametrize("entry", [{}, {"type": ""}, {"type": "  "}, {"type": 3}, {"type": None}])
+def test_secondary_tier_needs_a_type(entry: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.type is required"):
+        parse(secondary_tiers=[entry])
+
+
+def test_secondary_tier_keys_must_be_strings() -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(memory\): keys must be"):
+        parse(secondary_tiers=[{"type": "memory", 3: "x"}])
+
+
+@pytest.mark.parametrize("value", [2, 3, 100, 2.0])
+def test_store_threshold_two_or_more_is_unsupported(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"store_threshold=\d+ is not supported"):
+        parse(store_threshold=value)
+
+
+@pytest.mark.parametrize("value", [-1, "1", 1.5, True])
+def test_bad_store_threshold(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"store_threshold must be 0 or 1"):
+        parse(store_threshold=value)
+
+
+@pytest.mark.parametrize("value", [0, 1])
+def test_store_threshold_zero_or_one_is_fine(value: int) -> None:
+    assert parse(store_threshold=value).store_threshold == value
+
+
+@pytest.mark.parametrize("value", [0, -1, math.inf, math.nan, "5", True])
+def test_bad_shutdown_timeout(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"shutdown_timeout_s must be a positive finite"):
+        parse(shutdown_timeout_s=value)
+
+
+@pytest.mark.parametrize("value", [-0.5, math.inf, "1", False])
+def test_bad_failed_promotion_backoff(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"failed_promotion_backoff_s must be a non-negative"):
+        parse(failed_promotion_backoff_s=value)
+
+
+def test_zero_backoff_is_allowed() -> None:
+    assert parse(failed_promotion_backoff_s=0).failed_promotion_backoff_s == 0.0
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0])
+def test_bad_backfill_flag(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"backfill_earlier_tiers must be true or false"):
+        parse(backfill_earlier_tiers=value)
+
+
+def test_misspelt_key_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="tiering.config"):
+        config = parse(evicton_policy="arc")
+    assert config.eviction_policy == "lru"  # the misspelt key had no effect...
+    assert "did you mean 'eviction_policy'" in caplog.text  # ...and the user is told
+
+
+def test_foreign_keys_are_silent(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="tiering.config"):
+        parse(spec_name="X", spec_module_path="y.z")
+    assert caplog.text == ""
+
+
+# -- geometry ---------------------------------------------------------------------------------
+
+
+def test_geometry_from_gpu_pages() -> None:
+    geometry = BlockGeometry.from_gpu_pages(
+        gpu_block_size=16, gpu_page_bytes=8192, block_size=64, world_size=2
+    )
+    assert geometry == BlockGeometry(block_bytes=8192 * 4 * 2, block_size=64, block_size_factor=4)
+    default = BlockGeometry.from_gpu_pages(gpu_block_size=16, gpu_page_bytes=8192)
+    assert default == BlockGeometry(block_bytes=8192, block_size=16, block_size_factor=1)
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 0, -16])
+def test_block_size_must_be_a_multiple_of_the_gpu_block_size(block_size: int) -> None:
+    with pytest.raises(ConfigError, match=r"block_size must be a positive multiple of the GPU"):
+        BlockGeometry.from_gpu_pages(gpu_block_size=16, gpu_page_bytes=4096, block_size=block_size)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("gpu_block_size", {"gpu_block_size": 0, "gpu_page_bytes": 4096}),
+        ("gpu_page_bytes", {"gpu_block_size": 16, "gpu_page_bytes": -1}),
+        ("world_size", {"gpu_block_size": 16, "gpu_page_bytes": 4096, "world_size": 0}),
+    ],
+)
+def test_bad_gpu_geometry(name: str, kwargs: dict[str, int]) -> None:
+    with pytest.raises(ConfigError, match=rf"{name} must be a positive integer"):
+        BlockGeometry.from_gpu_pages(**kwargs)
+
+
+def test_bad_block_bytes() -> None:
+    with pytest.raises(ConfigError, match="block_bytes must be a positive integer"):
+        BlockGeometry(block_bytes=0)
+
+
+def test_num_blocks_is_derived_from_bytes_and_block_bytes() -> None:
+    geometry = BlockGeometry(block_bytes=4096)
+    assert geometry.num_blocks(10 * 4096 + 4095) == 10
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=4095 is smaller than one"):
+        geometry.num_blocks(4095)
+
+
+# -- the spec ---------------------------------------------------------------------------------
+
+
+def test_spec_derives_block_bytes_and_num_blocks_without_building() -> None:
+    spec = TieringOffloadingSpec(
+        {"cpu_bytes_to_use": 100 * 65536, "block_size": 32},
+        gpu_block_size=16,
+        gpu_page_bytes=16384,
+        world_size=2,
+        layout_fingerprint="model/bf16",
+    )
+    assert spec.block_bytes == 16384 * 2 * 2
+    assert spec.block_size == 32
+    assert spec.block_size_factor == 2
+    assert spec.num_blocks == 100
+    assert spec.layout_fingerprint == "model/bf16"
+
+
+def test_spec_config_errors_come_from_the_constructor() -> None:
+    with pytest.raises(ConfigError, match="store_threshold=2 is not supported"):
+        TieringOffloadingSpec({**BASE, "store_threshold": 2}, block_bytes=4096)
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use=100 is smaller than one"):
+        TieringOffloadingSpec({"cpu_bytes_to_use": 100}, block_bytes=4096)
+
+
+def test_spec_needs_exactly_one_geometry() -> None:
+    with pytest.raises(ConfigError, match="needs the KV geometry"):
+        TieringOffloadingSpec(BASE)
+    with pytest.raises(ConfigError, match="needs the KV geometry"):
+        TieringOffloadingSpec(BASE, gpu_block_size=16)
+    with pytest.raises(ConfigError, match="not both"):
+        TieringOffloadingSpec(BASE, block_bytes=4096, gpu_block_size=16, gpu_page_bytes=4096)
+    with pytest.raises(ConfigError, match="world_size applies to gpu_page_bytes"):
+        TieringOffloadingSpec(BASE, block_bytes=4096, world_size=2)
+
+
+def test_spec_rejects_unaligned_blocks_when_alignment_is_required() -> None:
+    with pytest.raises(ConfigError, match=r"block_size=16 gives offloaded blocks of 1600 bytes"):
+        TieringOffloadingSpec(BASE, gpu_block_size=16, gpu_page_bytes=1600)
+    with pytest.raises(ConfigError, match=r"block_bytes=1000 not a multiple of 4096"):
+        TieringOffloadingSpec(BASE, block_bytes=1000)
+    spec = TieringOffloadingSpec(BASE, block_bytes=1000, require_alignment=False)
+    assert spec.num_blocks == BASE["cpu_bytes_to_use"] // 1000
+
+
+def test_spec_rejects_a_non_string_fingerprint() -> None:
+    with pytest.raises(ConfigError, match="layout_fingerprint must be a string"):
+        TieringOffloadingSpec(BASE, block_bytes=4096, layout_fingerprint=3)  # type: ignore[arg-type]
+
+
+def test_shut_down_spec_refuses_to_build() -> None:
+    spec = TieringOffloadingSpec(BASE, block_bytes=4096)
+    spec.shutdown()
+    spec.shutdown()  # idempotent
+    with pytest.raises(TierClosedError):
+        spec.get_manager()
+
+
+def _threads() -> set[threading.Thread]:
+    return set(threading.enumerate())
