@@ -1,0 +1,310 @@
+"""The primary tier's host buffer: one page-aligned region of ``num_blocks x block_bytes``.
+
+The region is either an anonymous mapping (private to this process and its
+forks) or a named POSIX shared-memory object under ``/dev/shm``, which a GPU
+worker process attaches to by name to copy blocks into and out of the same
+bytes. Either way the mapping starts on a page boundary, so with
+``block_bytes`` a multiple of 4096 every row is aligned for ``O_DIRECT``.
+
+Views (``view``, ``row``, ``as_numpy``, ``as_torch``) never copy. They stay
+valid until :meth:`HostBuffer.close`; the memory itself is unmapped when the
+last view still held elsewhere is released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tiering.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+#: Alignment that O_DIRECT needs on these filesystems (logical block and page size).
+DIRECT_IO_ALIGNMENT = 4096
+
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+def make_shared_name(prefix: str = "kvtier") -> str:
+    """A fresh, unguessable name for a shared buffer: ``<prefix>-<pid>-<random hex>``."""
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _validate_geometry(num_blocks: int, block_bytes: int, require_alignment: bool) -> None:
+    for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{label} must be an int, got {value!r}")
+    if num_blocks < 1:
+        raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+    if block_bytes < 1:
+        raise ConfigError(f"block_bytes must be positive, got {block_bytes}")
+    if require_alignment and block_bytes % DIRECT_IO_ALIGNMENT:
+        raise ConfigError(
+            f"block_bytes must be a positive multiple of {DIRECT_IO_ALIGNMENT} for O_DIRECT "
+            f"alignment, got {block_bytes} (pass require_alignment=False to allow it)"
+        )
+
+
+def _validate_name(name: str) -> str:
+    if not isinstance(name, str) or not _SHM_NAME.fullmatch(name) or name in (".", ".."):
+        raise ConfigError(
+            f"shared memory name must be 1-200 characters of [A-Za-z0-9_.-], got {name!r}"
+        )
+    return name
+
+
+class HostBuffer:
+    """``num_blocks`` rows of ``block_bytes`` bytes in one page-aligned mapping.
+
+    Build one with :meth:`create` (anonymous or named shared memory) or
+    :meth:`attach` (an existing named buffer, e.g. in a worker process). The
+    creator of a named buffer owns the name: :meth:`unlink` (or leaving the
+    ``with`` block) removes it; attached handles only :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        mapping: mmap.mmap,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        name: str | None,
+        owner: bool,
+    ) -> None:
+        """Wrap an existing mapping; prefer :meth:`create` and :meth:`attach`."""
+        if len(mapping) != num_blocks * block_bytes:
+            raise ValueError(
+                f"mapping has {len(mapping)} bytes, expected {num_blocks} x {block_bytes}"
+            )
+        self._mmap: mmap.mmap | None = mapping
+        self._num_blocks = num_blocks
+        self._block_bytes = block_bytes
+        self._name = name
+        self._owner = owner
+        self._flat: memoryview | None = memoryview(mapping)
+        self._view: memoryview | None = self._flat.cast("B", (num_blocks, block_bytes))
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        shared_name: str | None = None,
+        require_alignment: bool = True,
+    ) -> HostBuffer:
+        """Map a new zero-filled buffer.
+
+        With ``shared_name`` the buffer is the POSIX shared-memory object
+        ``/dev/shm/<shared_name>`` (which must not exist yet), fully reserved
+        up front so running out of shared memory fails here, not later with a
+        SIGBUS on first touch. Without it the mapping is anonymous.
+        ``require_alignment`` (the default) demands ``block_bytes`` be a
+        multiple of 4096 so every row is usable with ``O_DIRECT``.
+
+        Raises :class:`~tiering.errors.ConfigError` (a ``ValueError``) for bad
+        geometry or name, ``FileExistsError`` if the name is taken and
+        ``OSError`` if the memory cannot be reserved.
+        """
+        _validate_geometry(num_blocks, block_bytes, require_alignment)
+        size = num_blocks * block_bytes
+        if shared_name is None:
+            mapping = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+            _advise_hugepages(mapping)
+            return cls(mapping, num_blocks, block_bytes, name=None, owner=True)
+        path = os.path.join(SHM_DIR, _validate_name(shared_name))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise FileExistsError(
+                f"shared memory {shared_name!r} already exists ({path}); "
+                "attach to it or pick another name"
+            ) from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"cannot reserve {size} bytes of shared memory for {shared_name!r}: "
+                    f"{exc.strerror}",
+                ) from exc
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
+        _advise_hugepages(mapping)
+        return cls(mapping, num_blocks, block_bytes, name=shared_name, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, num_blocks: int, block_bytes: int) -> HostBuffer:
+        """Map the existing shared buffer ``name`` (created by another process).
+
+        The object's size must be exactly ``num_blocks * block_bytes``: a
+        mismatch means the two sides disagree on the layout and raises
+        :class:`~tiering.errors.ConfigError`. ``FileNotFoundError`` if absent.
+        """
+        _validate_geometry(num_blocks, block_bytes, require_alignment=False)
+        path = os.path.join(SHM_DIR, _validate_name(name))
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no shared memory named {name!r} ({path})") from None
+        try:
+            size = os.fstat(fd).st_size
+            expected = num_blocks * block_bytes
+            if size != expected:
+                raise ConfigError(
+                    f"shared memory {name!r} has {size} bytes, expected "
+                    f"{num_blocks} blocks x {block_bytes} bytes = {expected}"
+                )
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return cls(mapping, num_blocks, block_bytes, name=name, owner=False)
+
+    # -- geometry and views -------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._num_blocks * self._block_bytes
+
+    @property
+    def name(self) -> str | None:
+        """The shared-memory name, or None for an anonymous buffer."""
+        return self._name
+
+    @property
+    def is_owner(self) -> bool:
+        """Whether this handle created the buffer (and so unlinks a shared name)."""
+        return self._owner
+
+    @property
+    def closed(self) -> bool:
+        return self._view is None
+
+    @property
+    def view(self) -> memoryview:
+        """The whole buffer: format ``'B'``, shape ``(num_blocks, block_bytes)``."""
+        if self._view is None:
+            raise ValueError(f"{self!r} is closed")
+        return self._view
+
+    def row(self, block_id: int) -> memoryview:
+        """Block ``block_id`` as a 1-D writable memoryview of ``block_bytes`` bytes.
+
+        Raises ``IndexError`` outside ``[0, num_blocks)``.
+        """
+        flat = self._flat
+        if flat is None:
+            raise ValueError(f"{self!r} is closed")
+        if not 0 <= block_id < self._num_blocks:
+            raise IndexError(f"block id {block_id} outside [0, {self._num_blocks})")
+        start = block_id * self._block_bytes
+        return flat[start : start + self._block_bytes]
+
+    def as_numpy(self) -> npt.NDArray[np.uint8]:
+        """A zero-copy ``uint8`` array of shape ``(num_blocks, block_bytes)``."""
+        return np.frombuffer(self._mapping(), dtype=np.uint8).reshape(
+            self._num_blocks, self._block_bytes
+        )
+
+    def as_torch(self) -> torch.Tensor:
+        """A zero-copy ``torch.uint8`` tensor of shape ``(num_blocks, block_bytes)``.
+
+        Imports torch on first use only (``import tiering`` never does).
+        """
+        import torch
+
+        flat = torch.frombuffer(self._mapping(), dtype=torch.uint8)
+        return flat.view(self._num_blocks, self._block_bytes)
+
+    def _mapping(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise ValueError(f"{self!r} is closed")
+        return self._mmap
+
+    def address(self) -> int:
+        """The mapping's start address (page-aligned), for alignment checks and pinning."""
+        array: Any = self.as_numpy()
+        return int(array.ctypes.data)
+
+    # -- lifetime -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop this handle's views and unmap the buffer. Idempotent.
+
+        Views handed out earlier (rows, arrays, tensors) keep the memory
+        mapped until they are released; this handle can no longer be used.
+        A shared name stays until :meth:`unlink`.
+        """
+        view, flat, mapping = self._view, self._flat, self._mmap
+        self._view = self._flat = self._mmap = None
+        # A BufferError below means a caller still holds something exported from
+        # that object; the memory is then unmapped when the last holder lets go.
+        for own_view in (view, flat):
+            if own_view is not None:
+                with contextlib.suppress(BufferError):
+                    own_view.release()
+        if mapping is not None:
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
+    def unlink(self) -> None:
+        """Remove the shared-memory name (the creator's job). Idempotent; no-op when anonymous.
+
+        Processes that already attached keep their mapping.
+        """
+        if self._name is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, self._name))
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+        if self._owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        kind = f"shared {self._name!r}" if self._name else "anonymous"
+        state = ", closed" if self.closed else ""
+        return f"HostBuffer({kind}, {self._num_blocks} x {self._block_bytes} bytes{state})"
+
+
+def _advise_hugepages(mapping: mmap.mmap) -> None:
+    # Fewer TLB misses on multi-GiB buffers; the kernel may ignore it.
+    if len(mapping) >= 2 * 1024 * 1024 and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            mapping.madvise(mmap.MADV_HUGEPAGE)
