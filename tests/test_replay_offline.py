@@ -1,0 +1,136 @@
+"""Offline hit-rate simulations: the unlimited ceiling, the policies and Belady's optimum."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiering.policies import POLICY_NAMES
+from tiering.replay.offline import (
+    simulate_belady,
+    simulate_policy,
+    unlimited_hit_rate,
+)
+from tiering.replay.trace import Request, read_trace, trace_footprint
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+def _req(*ids: int, tokens: int | None = None) -> Request:
+    return Request(0.0, tokens if tokens is not None else 512 * len(ids), 0, tuple(ids))
+
+
+def test_unlimited_counts_leading_seen_blocks_weighted_by_tokens() -> None:
+    requests = [
+        _req(1, 2, 3),
+        _req(1, 2, 4, tokens=1024 + 100),  # two leading hits of 512 tokens
+        _req(1, 5, 3),  # 3 was seen, but after a miss: not a prefix hit
+        _req(1, 2, 4, tokens=1024 + 100),  # all three: 1124 tokens
+    ]
+    hits = unlimited_hit_rate(requests)
+    assert hits.hit_tokens == 0 + 1024 + 512 + 1124
+    assert hits.total_tokens == 1536 + 1124 + 1536 + 1124
+    assert hits.hit_blocks == 0 + 2 + 1 + 3
+    assert hits.total_blocks == 12
+
+
+@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason=f"{SHARED_TRACE} is not present")
+def test_the_shared_trace_reuses_about_65_percent_of_tokens() -> None:
+    assert unlimited_hit_rate(read_trace(SHARED_TRACE)).token_hit_rate == pytest.approx(
+        0.6512, abs=0.0005
+    )
+
+
+@st.composite
+def prefix_traces(draw: st.DrawFn) -> list[Request]:
+    """Traces whose block ids behave like prefix hashes: each id has one fixed parent."""
+    parents: dict[int, int] = {}  # id -> parent id (-1 for a root)
+    children: dict[int, list[int]] = {-1: []}
+    requests = []
+    for _ in range(draw(st.integers(1, 25))):
+        length = draw(st.integers(1, 6))
+        ids: list[int] = []
+        parent = -1
+        for _ in range(length):
+            known = children.setdefault(parent, [])
+            if known and draw(st.booleans()):
+                block = draw(st.sampled_from(known))
+            else:
+                block = len(parents)
+                parents[block] = parent
+                known.append(block)
+            ids.append(block)
+            parent = block
+        tail = draw(st.integers(1, 512))
+        requests.append(Request(0.0, 512 * (length - 1) + tail, 0, tuple(ids)))
+    return requests
+
+
+@settings(max_examples=120)
+@given(prefix_traces(), st.integers(1, 12))
+def test_belady_bounds_every_policy_and_the_ceiling_bounds_belady(
+    requests: list[Request], capacity: int
+) -> None:
+    optimum = simulate_belady(requests, capacity)
+    ceiling = unlimited_hit_rate(requests)
+    assert optimum.hit_blocks <= ceiling.hit_blocks
+    for name in POLICY_NAMES:
+        hits = simulate_policy(requests, capacity, name)
+        assert hits.hit_blocks <= optimum.hit_blocks, name
+    if capacity >= trace_footprint(requests):
+        assert optimum == ceiling
+        assert all(simulate_policy(requests, capacity, n) == ceiling for n in POLICY_NAMES)
+
+
+@settings(max_examples=80)
+@given(prefix_traces(), st.integers(1, 10))
+def test_lru_hits_never_fall_as_capacity_grows(requests: list[Request], capacity: int) -> None:
+    # LRU is a stack algorithm: a bigger cache holds a superset of a smaller one's blocks.
+    smaller = simulate_policy(requests, capacity, "lru")
+    larger = simulate_policy(requests, capacity + 1, "lru")
+    assert larger.hit_tokens >= smaller.hit_tokens
+
+
+def _best_possible_block_hits(requests: Sequence[Request], capacity: int) -> int:
+    """Exhaustive search over every caching decision (tiny traces only)."""
+    accesses = [block for r in requests for block in r.hash_ids]
+
+    def search(position: int, cache: frozenset[int]) -> int:
+        if position == len(accesses):
+            return 0
+        block = accesses[position]
+        if block in cache:
+            return 1 + search(position + 1, cache)
+        best = search(position + 1, cache)  # bypass
+        if len(cache) < capacity:
+            return max(best, search(position + 1, cache | {block}))
+        for victim in cache:
+            best = max(best, search(position + 1, (cache - {victim}) | {block}))
+        return best
+
+    return search(0, frozenset())
+
+
+@settings(max_examples=40)
+@given(prefix_traces().filter(lambda rs: sum(len(r.hash_ids) for r in rs) <= 12), st.integers(1, 3))
+def test_belady_is_optimal_on_tiny_traces(requests: list[Request], capacity: int) -> None:
+    assert simulate_belady(requests, capacity).hit_blocks == _best_possible_block_hits(
+        requests, capacity
+    )
+
+
+def test_policies_differ_where_they_should() -> None:
+    # A scan of one-off blocks between reuses of a hot pair: LRU loses the pair, the
+    # optimum keeps it.
+    requests = list(
+        itertools.chain.from_iterable(
+            [_req(1, 2), _req(100 + 3 * i), _req(101 + 3 * i), _req(102 + 3 * i)] for i in range(10)
+        )
+    )
+    assert simulate_policy(requests, 3, "lru").hit_blocks == 0
+    assert simulate_belady(requests, 3).hit_blocks == 18

@@ -1,0 +1,7 @@
+"""``python -m tiering``: the ``tiering`` command."""
+
+import sys
+
+from tiering.cli import main
+
+sys.exit(main())

@@ -1,0 +1,166 @@
+"""Offline analysis of a trace, independent of the tiering stack.
+
+* :func:`unlimited_hit_rate`: the token-weighted prefix hit rate of a cache that
+  never forgets (the ceiling any capacity can reach, and the replay's correctness
+  anchor);
+* :func:`simulate_policy`: a single cache of ``capacity`` blocks run by one of the
+  framework's eviction policies (the same classes the primary tier uses);
+* :func:`simulate_belady`: Belady's MIN, the offline optimum that evicts the block
+  needed furthest in the future (or declines to cache a block needed later than
+  everything cached). Trace block ids are prefix hashes, so a block is never needed
+  later than its parent, and MIN keeps the cache prefix-closed: every block it hits
+  is a prefix hit. Its hit count is the most any policy of the same capacity gets.
+
+All three count a request's hits as the leading blocks found in the cache (a prefix
+hit), weighted by the tokens each block covers.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from tiering.policies import make_policy
+from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
+
+
+@dataclass(frozen=True, slots=True)
+class HitRate:
+    """Token- and block-weighted prefix hits of one simulated cache over a trace."""
+
+    hit_tokens: int
+    total_tokens: int
+    hit_blocks: int
+    total_blocks: int
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.total_blocks if self.total_blocks else 0.0
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.hit_tokens = self.total_tokens = self.hit_blocks = self.total_blocks = 0
+
+    def add(self, request: Request, prefix_hits: int, block_tokens: int) -> None:
+        self.hit_tokens += min(prefix_hits * block_tokens, request.input_length)
+        self.total_tokens += request.input_length
+        self.hit_blocks += prefix_hits
+        self.total_blocks += len(request.hash_ids)
+
+    def result(self) -> HitRate:
+        return HitRate(self.hit_tokens, self.total_tokens, self.hit_blocks, self.total_blocks)
+
+
+def unlimited_hit_rate(
+    requests: Sequence[Request], block_tokens: int = DEFAULT_BLOCK_TOKENS
+) -> HitRate:
+    """Prefix hits of an unbounded cache: a block hits iff it was seen before."""
+    seen: set[int] = set()
+    tally = _Tally()
+    for request in requests:
+        hits = 0
+        for hash_id in request.hash_ids:
+            if hash_id not in seen:
+                break
+            hits += 1
+        tally.add(request, hits, block_tokens)
+        seen.update(request.hash_ids)
+    return tally.result()
+
+
+def simulate_policy(
+    requests: Sequence[Request],
+    capacity_blocks: int,
+    policy_name: str,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> HitRate:
+    """Prefix hits of one cache of ``capacity_blocks`` run by the named eviction policy.
+
+    Per request: the leading cached blocks hit; every block of the request is then
+    used in order (cached ones accessed, the rest inserted, evicting the policy's
+    victim when full), as the replay's primary tier sees a request with no GPU cache.
+    """
+    policy = make_policy(policy_name, capacity_blocks)
+    tally = _Tally()
+
+    def evictable(_key: Hashable) -> bool:
+        return True
+
+    for request in requests:
+        hits = 0
+        for hash_id in request.hash_ids:
+            if hash_id not in policy:
+                break
+            hits += 1
+        tally.add(request, hits, block_tokens)
+        for hash_id in request.hash_ids:
+            if hash_id in policy:
+                policy.access(hash_id)
+                continue
+            if len(policy) >= capacity_blocks:
+                policy.evict(1, evictable)
+            policy.insert(hash_id)
+    return tally.result()
+
+
+def _next_uses(requests: Sequence[Request]) -> list[int]:
+    """For each block access (in trace order), the index of that block's next access."""
+    total = sum(len(request.hash_ids) for request in requests)
+    never = total  # later than every access
+    next_use = [never] * total
+    last_seen: dict[int, int] = {}
+    position = total
+    for request in reversed(requests):
+        for hash_id in reversed(request.hash_ids):
+            position -= 1
+            next_use[position] = last_seen.get(hash_id, never)
+            last_seen[hash_id] = position
+    return next_use
+
+
+def simulate_belady(
+    requests: Sequence[Request],
+    capacity_blocks: int,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> HitRate:
+    """Prefix hits of Belady's MIN (with bypass) on a cache of ``capacity_blocks``."""
+    if capacity_blocks <= 0:
+        raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+    next_use = _next_uses(requests)
+    never = len(next_use)
+    cached: dict[int, int] = {}  # block id -> its current next use
+    # Max-heap of (-next use, block id); entries whose next use changed are stale.
+    heap: list[tuple[int, int]] = []
+    tally = _Tally()
+    position = 0
+    for request in requests:
+        hits = 0
+        prefix = True
+        for hash_id in request.hash_ids:
+            upcoming = next_use[position]
+            position += 1
+            if hash_id in cached:
+                hits += prefix
+                cached[hash_id] = upcoming
+                heapq.heappush(heap, (-upcoming, hash_id))
+                continue
+            prefix = False
+            if upcoming == never:
+                continue  # never needed again: caching it cannot help
+            if len(cached) >= capacity_blocks:
+                while -heap[0][0] != cached.get(heap[0][1], -1):
+                    heapq.heappop(heap)  # stale entry
+                furthest = -heap[0][0]
+                if furthest <= upcoming:
+                    continue  # everything cached is needed sooner: bypass
+                del cached[heapq.heappop(heap)[1]]
+            cached[hash_id] = upcoming
+            heapq.heappush(heap, (-upcoming, hash_id))
+        tally.add(request, hits, block_tokens)
+    return tally.result()

@@ -1,0 +1,400 @@
+"""The replay loop: a simulated GPU prefix cache driving the real tiering stack.
+
+Per request, as vLLM's scheduler and offloading connector would:
+
+1. the GPU prefix cache serves the leading blocks it holds;
+2. the manager is asked about the rest of the prefix, block by block. A block in
+   a secondary tier answers None while it is promoted; the loop steps the manager
+   (its per-step poll) until every promotion landed or the promotion timeout
+   passed, then re-checks the prefix it will load;
+3. ``prepare_load`` pins those blocks, the "GPU" reads every row and verifies it
+   byte for byte against the block's deterministic contents, ``complete_load``;
+4. the blocks after the hit are "computed": ``prepare_store`` reserves primary
+   rows, the GPU side writes the bytes into them, ``complete_store`` makes them
+   readable (and cascades them to the secondary tiers);
+5. the manager is stepped once (one scheduler step per request).
+
+Wall time is split between the simulated GPU side (prefix cache, filling and
+verifying bytes) and the tier work (every manager call, stepping and waiting for
+promotions), so the tier figures can be trusted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tiering.contract import OffloadingManager
+from tiering.errors import ContractError
+from tiering.jobs import SecondaryTierManager
+from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.replay.blockdata import BlockContents, block_key, word_rows
+from tiering.replay.gpu_cache import GPUPrefixCache
+from tiering.replay.metrics import LatencySamples, PhaseClock
+from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
+from tiering.specs import BlockIDsLoadStoreSpec
+from tiering.stats import ManagerStats
+
+GPU = "gpu"
+CPU = "cpu"
+
+# Phases of the replay's wall time.
+PHASE_GPU = "gpu_side"
+PHASE_TIER = "tier_work"
+PHASE_PROMOTION_WAIT = "promotion_wait"  # part of the tier work
+PHASE_DRAIN = "drain"
+
+_POLL_SLEEP_MIN_S = 20e-6
+_POLL_SLEEP_MAX_S = 1e-3
+_MAX_MISMATCH_EXAMPLES = 10
+
+
+class ReplayStack:
+    """What the replay drives: the manager, its primary buffer and its secondary tiers.
+
+    ``step`` is the manager's per-step poll, ``stats`` its statistics snapshot.
+    ``secondary`` names each secondary tier (its stats name) with its
+    ``SecondaryTierManager``, in lookup order.
+    """
+
+    def __init__(
+        self,
+        *,
+        manager: OffloadingManager,
+        kv_view: memoryview,
+        block_bytes: int,
+        secondary: Sequence[tuple[str, SecondaryTierManager]],
+        step: Callable[[], object],
+        stats: Callable[[], ManagerStats],
+        shutdown: Callable[[], None],
+        primary_name: str = CPU,
+    ) -> None:
+        self.manager = manager
+        self.kv_view = kv_view
+        self.block_bytes = block_bytes
+        self.secondary = list(secondary)
+        self.step = step
+        self.stats = stats
+        self.shutdown = shutdown
+        self.primary_name = primary_name
+
+
+@dataclass(slots=True)
+class HitTally:
+    """Tokens and blocks served by one place (GPU, CPU or a secondary tier)."""
+
+    tokens: int = 0
+    blocks: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.blocks += 1
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A loaded block whose bytes were not the bytes stored."""
+
+    request_index: int
+    hash_id: int
+    source: str
+
+
+@dataclass(slots=True)
+class ReplayTotals:
+    """Everything the replay counted itself (the tiers' own figures come from stats)."""
+
+    requests_total: int = 0
+    requests_done: int = 0
+    total_tokens: int = 0
+    total_blocks: int = 0
+    hits: dict[str, HitTally] = field(default_factory=dict)
+    blocks_stored: int = 0  # GPU -> CPU
+    blocks_loaded: int = 0  # CPU -> GPU
+    blocks_promoted_used: int = 0  # promoted from a secondary tier and loaded
+    store_rejected_blocks: int = 0  # prepare_store returned None
+    promotion_timeouts: int = 0  # blocks still in flight at the promotion timeout
+    lost_before_load: int = 0  # answered True, gone by the time of prepare_load
+    load_errors: int = 0  # prepare_load refused blocks the lookup found
+    verified_blocks: int = 0
+    mismatches: int = 0
+    mismatch_examples: list[Mismatch] = field(default_factory=list)
+    store_latency: LatencySamples = field(default_factory=LatencySamples)
+    load_latency: LatencySamples = field(default_factory=LatencySamples)
+    promotion_latency: LatencySamples = field(default_factory=LatencySamples)
+    clock: PhaseClock = field(default_factory=PhaseClock)
+    wall_s: float = 0.0
+    interrupted: bool = False
+    drained: bool = True
+
+    def hit(self, place: str) -> HitTally:
+        tally = self.hits.get(place)
+        if tally is None:
+            tally = self.hits[place] = HitTally()
+        return tally
+
+
+class Replayer:
+    """Replays requests through a :class:`ReplayStack` with a GPU prefix cache in front."""
+
+    def __init__(
+        self,
+        stack: ReplayStack,
+        *,
+        gpu_blocks: int,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        promotion_timeout_s: float = 10.0,
+        drain_timeout_s: float = 60.0,
+    ) -> None:
+        if promotion_timeout_s <= 0:
+            raise ValueError(f"promotion_timeout_s must be positive, got {promotion_timeout_s}")
+        self.stack = stack
+        self.gpu = GPUPrefixCache(gpu_blocks)
+        self.block_tokens = block_tokens
+        self.promotion_timeout_s = promotion_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        self.contents = BlockContents(stack.block_bytes)
+        self.rows = word_rows(stack.kv_view, stack.block_bytes)
+        self.totals = ReplayTotals()
+        self._stop_requested = False
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop after the current request (safe from a signal handler)."""
+        self._stop_requested = True
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(
+        self,
+        requests: Sequence[Request],
+        on_progress: Callable[[ReplayTotals], None] | None = None,
+        progress_every: int = 1,
+    ) -> ReplayTotals:
+        """Replay ``requests`` in order, then let in-flight tier jobs finish (bounded).
+
+        Returns the totals; ``interrupted`` is set when :meth:`request_stop` ended the
+        loop early. ``on_progress`` is called every ``progress_every`` requests.
+        """
+        totals = self.totals
+        totals.requests_total = len(requests)
+        for place in (GPU, CPU, *(name for name, _ in self.stack.secondary)):
+            totals.hit(place)
+        start = time.perf_counter()
+        try:
+            for index, request in enumerate(requests):
+                if self._stop_requested:
+                    totals.interrupted = True
+                    break
+                self._replay_one(index, request)
+                totals.requests_done += 1
+                if on_progress is not None and totals.requests_done % progress_every == 0:
+                    on_progress(totals)
+            with totals.clock.phase(PHASE_DRAIN):
+                totals.drained = self._drain()
+        finally:
+            totals.wall_s = time.perf_counter() - start
+        if on_progress is not None:
+            on_progress(totals)
+        return totals
+
+    def _replay_one(self, index: int, request: Request) -> None:
+        totals = self.totals
+        clock = totals.clock
+        perf = time.perf_counter
+
+        t0 = perf()
+        ids = request.hash_ids
+        tokens = request.block_tokens(self.block_tokens)
+        totals.total_tokens += request.input_length
+        totals.total_blocks += len(ids)
+        gpu_hits = self.gpu.prefix_hits(ids)
+        gpu_tally = totals.hit(GPU)
+        for position in range(gpu_hits):
+            gpu_tally.add(tokens[position])
+        rest_ids = ids[gpu_hits:]
+        keys = [block_key(hash_id) for hash_id in rest_ids]
+        t1 = perf()
+        clock.add(PHASE_GPU, t1 - t0)
+
+        found, sources = self._lookup_prefix(keys)
+        loaded = self._load(index, rest_ids[:found], keys[:found], sources)
+        for position, source in enumerate(sources[:loaded]):
+            totals.hit(source).add(tokens[gpu_hits + position])
+
+        t2 = perf()
+        self.gpu.admit(ids)
+        clock.add(PHASE_GPU, perf() - t2)
+
+        self._store(rest_ids[loaded:], keys[loaded:])
+
+        t3 = perf()
+        self.stack.step()
+        clock.add(PHASE_TIER, perf() - t3)
+
+    # -- lookup and promotions ------------------------------------------------------------
+
+    def _walk(self, keys: Sequence[OffloadKey]) -> tuple[int, list[int]]:
+        """Look keys up in order until the first False.
+
+        Returns the number of keys before that False and the positions among
+        them answered None (being promoted).
+        """
+        lookup = self.stack.manager.lookup
+        pending: list[int] = []
+        for position, key in enumerate(keys):
+            answer = lookup(key, NO_CONTEXT)
+            if answer is False:
+                return position, pending
+            if answer is None:
+                pending.append(position)
+        return len(keys), pending
+
+    def _source_of(self, key: OffloadKey) -> str:
+        """The secondary tier a promotion of ``key`` comes from (the first that has it)."""
+        for name, tier in self.stack.secondary:
+            if tier.lookup(key, NO_CONTEXT) is not False:
+                return name
+        return self.stack.secondary[0][0] if self.stack.secondary else CPU
+
+    def _lookup_prefix(self, keys: Sequence[OffloadKey]) -> tuple[int, list[str]]:
+        """How many leading keys are loadable now, and where each came from."""
+        totals = self.totals
+        clock = totals.clock
+        perf = time.perf_counter
+        t0 = perf()
+        reach, pending = self._walk(keys)
+        sources = [CPU] * reach
+        if pending:
+            # Attribute each promotion to its tier before it lands (then it is a CPU hit).
+            for position in pending:
+                sources[position] = self._source_of(keys[position])
+            wait_start = perf()
+            deadline = wait_start + self.promotion_timeout_s
+            pause = _POLL_SLEEP_MIN_S
+            while pending:
+                self.stack.step()
+                reach, pending = self._walk(keys)
+                if reach > len(sources):
+                    sources.extend([CPU] * (reach - len(sources)))
+                for position in pending:
+                    if sources[position] == CPU:
+                        sources[position] = self._source_of(keys[position])
+                if not pending:
+                    break
+                if perf() >= deadline:
+                    totals.promotion_timeouts += len(pending)
+                    reach = pending[0]
+                    break
+                # Let the tiers' loop threads run: a busy poll would hold the GIL.
+                time.sleep(pause)
+                pause = min(pause * 2, _POLL_SLEEP_MAX_S)
+            waited = perf() - wait_start
+            totals.promotion_latency.add(waited)
+            clock.add(PHASE_PROMOTION_WAIT, waited)
+            # The promotions may have evicted blocks found earlier: re-check the prefix.
+            confirmed, still_pending = self._walk(keys[:reach])
+            if still_pending:
+                confirmed = min(confirmed, still_pending[0])
+            totals.lost_before_load += reach - confirmed
+            reach = confirmed
+        del sources[reach:]
+        clock.add(PHASE_TIER, perf() - t0)
+        return reach, sources
+
+    # -- loads and stores -----------------------------------------------------------------
+
+    def _load(
+        self,
+        index: int,
+        hash_ids: Sequence[int],
+        keys: Sequence[OffloadKey],
+        sources: Sequence[str],
+    ) -> int:
+        """Load and verify the found blocks; returns how many leading ones verified."""
+        if not keys:
+            return 0
+        totals = self.totals
+        clock = totals.clock
+        manager = self.stack.manager
+        perf = time.perf_counter
+        t0 = perf()
+        try:
+            spec = manager.prepare_load(keys, NO_CONTEXT)
+        except ContractError:
+            # The manager refused what its lookup had just offered: count it, load nothing.
+            totals.load_errors += len(keys)
+            clock.add(PHASE_TIER, perf() - t0)
+            return 0
+        t1 = perf()
+        clock.add(PHASE_TIER, t1 - t0)
+        block_ids = _block_ids(spec)
+        verified = len(keys)
+        contents, rows = self.contents, self.rows
+        for position, (hash_id, row) in enumerate(zip(hash_ids, block_ids, strict=True)):
+            if not contents.matches(hash_id, rows[row]):
+                totals.mismatches += 1
+                if len(totals.mismatch_examples) < _MAX_MISMATCH_EXAMPLES:
+                    totals.mismatch_examples.append(Mismatch(index, hash_id, sources[position]))
+                verified = min(verified, position)
+        totals.verified_blocks += len(keys)
+        t2 = perf()
+        clock.add(PHASE_GPU, t2 - t1)
+        manager.complete_load(keys)
+        t3 = perf()
+        clock.add(PHASE_TIER, t3 - t2)
+        totals.load_latency.add(t3 - t0)
+        totals.blocks_loaded += len(keys)
+        totals.blocks_promoted_used += sum(1 for s in sources[:verified] if s != CPU)
+        return verified
+
+    def _store(self, hash_ids: Sequence[int], keys: Sequence[OffloadKey]) -> None:
+        """Offload freshly computed blocks: prepare_store, write the rows, complete_store."""
+        if not keys:
+            return
+        totals = self.totals
+        clock = totals.clock
+        manager = self.stack.manager
+        perf = time.perf_counter
+        t0 = perf()
+        output = manager.prepare_store(keys, NO_CONTEXT)
+        t1 = perf()
+        clock.add(PHASE_TIER, t1 - t0)
+        if output is None:
+            totals.store_rejected_blocks += len(keys)
+            return
+        to_store = output.keys_to_store
+        if not to_store:
+            totals.store_latency.add(t1 - t0)
+            return
+        id_of = dict(zip(keys, hash_ids, strict=True))
+        block_ids = _block_ids(output.store_spec)
+        contents, rows = self.contents, self.rows
+        for key, row in zip(to_store, block_ids, strict=True):
+            contents.fill(id_of[key], rows[row])
+        t2 = perf()
+        clock.add(PHASE_GPU, t2 - t1)
+        manager.complete_store(to_store, True)
+        t3 = perf()
+        clock.add(PHASE_TIER, t3 - t2)
+        totals.store_latency.add(t3 - t0)
+        totals.blocks_stored += len(to_store)
+
+    def _drain(self) -> bool:
+        """Step the manager until no tier job is in flight (bounded); True if drained."""
+        deadline = time.perf_counter() + self.drain_timeout_s
+        pause = _POLL_SLEEP_MIN_S
+        while True:
+            self.stack.step()
+            if self.stack.stats().jobs_in_flight == 0:
+                return True
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_SLEEP_MAX_S)
+
+
+def _block_ids(spec: object) -> list[int]:
+    if not isinstance(spec, BlockIDsLoadStoreSpec):
+        raise TypeError(f"expected a spec with block ids from the CPU primary tier, got {spec!r}")
+    return [int(b) for b in spec.block_ids.tolist()]

@@ -1,0 +1,414 @@
+"""The replay report: one JSON-able dict built from the replay's own counts and the
+manager's statistics, and its rendering as rich tables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from tiering.replay.metrics import LatencySamples
+from tiering.replay.offline import HitRate
+from tiering.replay.replayer import (
+    CPU,
+    GPU,
+    PHASE_DRAIN,
+    PHASE_GPU,
+    PHASE_PROMOTION_WAIT,
+    PHASE_TIER,
+    ReplayTotals,
+)
+from tiering.stats import ManagerStats, TierStats
+
+
+def _rate(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def _throughput(blocks: int, block_bytes: int, seconds: float) -> dict[str, float]:
+    return {
+        "blocks_per_s": blocks / seconds if seconds > 0 else 0.0,
+        "mb_per_s": blocks * block_bytes / seconds / 1e6 if seconds > 0 else 0.0,
+    }
+
+
+def _latency(samples: LatencySamples, blocks: int, block_bytes: int) -> dict[str, Any]:
+    summary = samples.summary()
+    return {
+        **summary.to_json(),
+        "blocks": blocks,
+        "bytes": blocks * block_bytes,
+        **_throughput(blocks, block_bytes, summary.total_s),
+    }
+
+
+def _tier_stats_json(stats: TierStats, block_bytes: int) -> dict[str, Any]:
+    return {
+        "capacity_blocks": stats.capacity_blocks,
+        "blocks_held": stats.blocks_held,
+        "stored_blocks": stats.cascades,
+        "stored_bytes": stats.cascades * block_bytes,
+        "promoted_blocks": stats.promotions,
+        "promoted_bytes": stats.promotions * block_bytes,
+        "evicted_blocks": stats.evictions,
+        "failures": stats.failures,
+        "lookup_hits": stats.hits,
+        "lookup_misses": stats.misses,
+        "bytes_moved": stats.bytes_moved,
+        "seconds_moved": stats.seconds_moved,
+        "per_job_mb_per_s": (
+            stats.bytes_moved / stats.seconds_moved / 1e6 if stats.seconds_moved > 0 else 0.0
+        ),
+        "jobs_in_flight": stats.jobs_in_flight,
+    }
+
+
+def build_report(
+    *,
+    totals: ReplayTotals,
+    stats: ManagerStats,
+    unlimited: HitRate,
+    trace_name: str,
+    footprint_blocks: int,
+    block_tokens: int,
+    block_bytes: int,
+    gpu_blocks: int,
+    gpu_evictions: int,
+    gpu_held: int,
+    setup: Mapping[str, Any],
+    secondary_names: Sequence[str],
+) -> dict[str, Any]:
+    """The whole report as plain data (what ``--json`` prints)."""
+    total_tokens = totals.total_tokens
+    hit_tokens = sum(tally.tokens for tally in totals.hits.values())
+    hit_blocks = sum(tally.blocks for tally in totals.hits.values())
+
+    def place(name: str) -> dict[str, Any]:
+        tally = totals.hit(name)
+        return {
+            "hit_tokens": tally.tokens,
+            "hit_blocks": tally.blocks,
+            "token_hit_rate": _rate(tally.tokens, total_tokens),
+        }
+
+    tiers: list[dict[str, Any]] = [
+        {
+            "name": GPU,
+            "medium": "GPU (simulated)",
+            **place(GPU),
+            "capacity_blocks": gpu_blocks,
+            "blocks_held": gpu_held,
+            "evicted_blocks": gpu_evictions,
+        },
+        {
+            "name": CPU,
+            "medium": stats.primary.medium,
+            **place(CPU),
+            **_tier_stats_json(stats.primary, block_bytes),
+            "loaded_to_gpu_blocks": totals.blocks_loaded,
+            "loaded_to_gpu_bytes": totals.blocks_loaded * block_bytes,
+        },
+    ]
+    for name, tier_stats in zip(secondary_names, stats.secondary, strict=True):
+        tiers.append(
+            {
+                "name": name,
+                "medium": tier_stats.medium,
+                **place(name),
+                **_tier_stats_json(tier_stats, block_bytes),
+            }
+        )
+
+    clock = totals.clock
+    gpu_side = clock.get(PHASE_GPU)
+    tier_work = clock.get(PHASE_TIER)
+    drain = clock.get(PHASE_DRAIN)
+    other = max(0.0, totals.wall_s - gpu_side - tier_work - drain)
+    tier_failures = sum(t.failures for t in stats.tiers)
+    failures = {
+        "verification_mismatches": totals.mismatches,
+        "tier_job_failures": tier_failures,
+        "promotion_timeouts": totals.promotion_timeouts,
+        "store_rejected_blocks": totals.store_rejected_blocks,
+        "lost_before_load": totals.lost_before_load,
+        "load_errors": totals.load_errors,
+        "promotion_no_room": stats.promotion_no_room,
+        "internal_errors": stats.internal_errors,
+        "unexpected_results": stats.unexpected_results,
+        "jobs_left_in_flight": stats.jobs_in_flight,
+    }
+    unlimited_rate = unlimited.token_hit_rate
+    total_rate = _rate(hit_tokens, total_tokens)
+    return {
+        "ok": totals.mismatches == 0 and not totals.interrupted,
+        "interrupted": totals.interrupted,
+        "trace": {
+            "name": trace_name,
+            "requests": totals.requests_total,
+            "requests_replayed": totals.requests_done,
+            "block_tokens": block_tokens,
+            "footprint_blocks": footprint_blocks,
+            "footprint_bytes": footprint_blocks * block_bytes,
+        },
+        "setup": dict(setup),
+        "hit_rate": {
+            "total": total_rate,
+            "gpu": _rate(totals.hit(GPU).tokens, total_tokens),
+            "cpu": _rate(totals.hit(CPU).tokens, total_tokens),
+            "secondary": {
+                name: _rate(totals.hit(name).tokens, total_tokens) for name in secondary_names
+            },
+            "unlimited": unlimited_rate,
+            "fraction_of_unlimited": total_rate / unlimited_rate if unlimited_rate else 0.0,
+            "total_blocks": _rate(hit_blocks, totals.total_blocks),
+            "unlimited_blocks": unlimited.block_hit_rate,
+        },
+        "tokens": {"total": total_tokens, "hit": hit_tokens, "miss": total_tokens - hit_tokens},
+        "blocks": {
+            "total": totals.total_blocks,
+            "hit": hit_blocks,
+            "stored_gpu_to_cpu": totals.blocks_stored,
+            "loaded_cpu_to_gpu": totals.blocks_loaded,
+            "promoted_and_loaded": totals.blocks_promoted_used,
+            "verified": totals.verified_blocks,
+        },
+        "tiers": tiers,
+        "latency": {
+            "store_gpu_to_cpu": _latency(totals.store_latency, totals.blocks_stored, block_bytes),
+            "load_cpu_to_gpu": _latency(totals.load_latency, totals.blocks_loaded, block_bytes),
+            "promotion_wait": _latency(
+                totals.promotion_latency, totals.blocks_promoted_used, block_bytes
+            ),
+        },
+        "failures": failures,
+        "verification": {
+            "verified_blocks": totals.verified_blocks,
+            "mismatches": totals.mismatches,
+            "examples": [
+                {"request": m.request_index, "hash_id": m.hash_id, "source": m.source}
+                for m in totals.mismatch_examples
+            ],
+        },
+        "overhead": {
+            "wall_s": totals.wall_s,
+            "gpu_side_s": gpu_side,
+            "tier_work_s": tier_work,
+            "promotion_wait_s": clock.get(PHASE_PROMOTION_WAIT),
+            "drain_s": drain,
+            "drained": totals.drained,
+            "other_s": other,
+            "gpu_side_fraction": _rate_f(gpu_side, totals.wall_s),
+            "tier_work_fraction": _rate_f(tier_work + drain, totals.wall_s),
+            "requests_per_s": _rate_f(totals.requests_done, totals.wall_s),
+            "blocks_per_s": _rate_f(totals.total_blocks, totals.wall_s),
+        },
+    }
+
+
+def _rate_f(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}%"
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(count) >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{int(count)} B"
+
+
+def _blocks(count: int | None) -> str:
+    return "unbounded" if count is None else f"{count:,}"
+
+
+def _ms(seconds_in_ms: float) -> str:
+    return f"{seconds_in_ms:.2f}"
+
+
+def render_report(report: Mapping[str, Any], console: Console) -> None:
+    """Print the report as rich tables."""
+    trace = report["trace"]
+    setup = report["setup"]
+    hit = report["hit_rate"]
+    block_bytes = int(setup["block_bytes"])
+
+    title = (
+        f"{trace['name']}: {trace['requests_replayed']:,} of {trace['requests']:,} requests, "
+        f"{report['tokens']['total']:,} prompt tokens, {trace['footprint_blocks']:,} distinct "
+        f"blocks of {trace['block_tokens']} tokens ({_bytes(block_bytes)} each)"
+    )
+    tiers_table = Table(title="Prefix hits by tier (token-weighted)", title_justify="left")
+    for column in (
+        "tier",
+        "medium",
+        "capacity",
+        "held",
+        "hit rate",
+        "hit blocks",
+        "stored",
+        "promoted",
+        "evicted",
+        "failures",
+    ):
+        tiers_table.add_column(column, justify="left" if column in ("tier", "medium") else "right")
+    for tier in report["tiers"]:
+        stored = tier.get("stored_blocks")
+        promoted = tier.get("promoted_blocks")
+        tiers_table.add_row(
+            tier["name"],
+            tier["medium"],
+            _blocks(tier.get("capacity_blocks")),
+            f"{tier.get('blocks_held', 0):,}",
+            _pct(tier["token_hit_rate"]),
+            f"{tier['hit_blocks']:,}",
+            "-" if stored is None else f"{stored:,} ({_bytes(stored * block_bytes)})",
+            "-" if promoted is None else f"{promoted:,} ({_bytes(promoted * block_bytes)})",
+            f"{tier.get('evicted_blocks', 0):,}",
+            str(tier.get("failures", 0)),
+        )
+    tiers_table.add_section()
+    tiers_table.add_row(
+        "total",
+        "",
+        "",
+        "",
+        Text(_pct(hit["total"]), style="bold"),
+        f"{report['blocks']['hit']:,}",
+        "",
+        "",
+        "",
+        "",
+    )
+    tiers_table.add_row(
+        "unlimited",
+        "offline reference",
+        "unbounded",
+        "",
+        _pct(hit["unlimited"]),
+        "",
+        "",
+        "",
+        "",
+        "",
+    )
+
+    latency_table = Table(title="Transfers seen by the scheduler", title_justify="left")
+    for column in (
+        "operation",
+        "calls",
+        "blocks",
+        "p50 ms",
+        "p90 ms",
+        "p99 ms",
+        "max ms",
+        "blocks/s",
+        "MB/s",
+    ):
+        latency_table.add_column(column, justify="left" if column == "operation" else "right")
+    labels = {
+        "store_gpu_to_cpu": "store GPU->CPU (prepare+copy+complete)",
+        "load_cpu_to_gpu": "load CPU->GPU (prepare+verify+complete)",
+        "promotion_wait": "promotion wait (secondary->CPU)",
+    }
+    for key, label in labels.items():
+        row = report["latency"][key]
+        latency_table.add_row(
+            label,
+            f"{row['count']:,}",
+            f"{row['blocks']:,}",
+            _ms(row["p50_ms"]),
+            _ms(row["p90_ms"]),
+            _ms(row["p99_ms"]),
+            _ms(row["max_ms"]),
+            f"{row['blocks_per_s']:,.0f}",
+            f"{row['mb_per_s']:,.0f}",
+        )
+    for tier in report["tiers"][2:]:
+        if tier["seconds_moved"] > 0:
+            latency_table.add_row(
+                f"{tier['name']} jobs (cascades+promotions)",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                f"{tier['per_job_mb_per_s']:,.0f} per job",
+            )
+
+    overhead = report["overhead"]
+    overhead_text = Text.assemble(
+        ("Wall ", "bold"),
+        f"{overhead['wall_s']:.2f} s ({overhead['requests_per_s']:,.0f} requests/s, "
+        f"{overhead['blocks_per_s']:,.0f} blocks/s): ",
+        ("simulated GPU side ", "bold"),
+        f"{overhead['gpu_side_s']:.2f} s ({_pct(overhead['gpu_side_fraction'])}), ",
+        ("tier work ", "bold"),
+        f"{overhead['tier_work_s'] + overhead['drain_s']:.2f} s "
+        f"({_pct(overhead['tier_work_fraction'])}; promotion waits "
+        f"{overhead['promotion_wait_s']:.2f} s, final drain {overhead['drain_s']:.2f} s), "
+        f"replay bookkeeping {overhead['other_s']:.2f} s.",
+    )
+
+    failures = report["failures"]
+    problems = {k: v for k, v in failures.items() if v}
+    verification = report["verification"]
+    if verification["mismatches"]:
+        examples = ", ".join(
+            f"block {e['hash_id']} from {e['source']} (request {e['request']})"
+            for e in verification["examples"]
+        )
+        verdict = Text(
+            f"DATA MISMATCH: {verification['mismatches']} of {verification['verified_blocks']:,} "
+            f"loaded blocks did not hold the bytes stored: {examples}",
+            style="bold red",
+        )
+    else:
+        verdict = Text(
+            f"All {verification['verified_blocks']:,} loaded blocks verified byte for byte.",
+            style="bold green",
+        )
+    notes = [
+        Text(title, style="bold"),
+        Text(
+            f"Setup: GPU cache {setup['gpu_blocks']:,} blocks, CPU primary "
+            f"{_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}), secondary: "
+            + (", ".join(setup["secondary_summary"]) or "none")
+        ),
+        Text(
+            f"Total hit rate {_pct(hit['total'])} = {_pct(hit['fraction_of_unlimited'])} of the "
+            f"{_pct(hit['unlimited'])} an unlimited cache gets on the same requests.",
+        ),
+    ]
+    if report["interrupted"]:
+        notes.append(
+            Text(
+                "Interrupted: partial report of the requests replayed so far.", style="bold yellow"
+            )
+        )
+    console.print(Panel(Group(*notes), title="tiering replay", expand=False))
+    console.print(tiers_table)
+    console.print(latency_table)
+    console.print(overhead_text)
+    if problems:
+        console.print(
+            Text(
+                "Failures: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in problems.items()),
+                style="yellow",
+            )
+        )
+    else:
+        console.print(Text("Failures: none.", style="green"))
+    console.print(verdict)

@@ -1,0 +1,201 @@
+"""Hit rate against capacity: every eviction policy and Belady's optimum, offline.
+
+For each capacity the trace is run through a single cache of that many blocks under
+each of the framework's eviction policies (the classes the primary tier uses) and
+under Belady's MIN, the offline upper bound. The unlimited-capacity hit rate is the
+ceiling they all approach. Results are written as CSV, JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiering.policies import POLICY_NAMES
+from tiering.replay.offline import HitRate, simulate_belady, simulate_policy, unlimited_hit_rate
+from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request, trace_footprint
+
+BELADY = "belady"
+
+#: Default capacities, as fractions of the trace's distinct blocks.
+DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """Hit rates of every simulated cache at one capacity."""
+
+    capacity_blocks: int
+    capacity_bytes: int
+    hit_rates: dict[str, HitRate]  # policy name (or "belady") -> hits
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """A whole sweep: the trace's description, the ceiling and one point per capacity."""
+
+    trace_name: str
+    num_requests: int
+    footprint_blocks: int
+    block_tokens: int
+    block_bytes: int
+    policies: tuple[str, ...]
+    unlimited: HitRate
+    points: tuple[SweepPoint, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "trace": self.trace_name,
+            "requests": self.num_requests,
+            "footprint_blocks": self.footprint_blocks,
+            "footprint_bytes": self.footprint_blocks * self.block_bytes,
+            "block_tokens": self.block_tokens,
+            "block_bytes": self.block_bytes,
+            "policies": [*self.policies, BELADY],
+            "unlimited_token_hit_rate": self.unlimited.token_hit_rate,
+            "unlimited_block_hit_rate": self.unlimited.block_hit_rate,
+            "points": [
+                {
+                    "capacity_blocks": point.capacity_blocks,
+                    "capacity_bytes": point.capacity_bytes,
+                    "token_hit_rate": {
+                        name: hits.token_hit_rate for name, hits in point.hit_rates.items()
+                    },
+                    "block_hit_rate": {
+                        name: hits.block_hit_rate for name, hits in point.hit_rates.items()
+                    },
+                }
+                for point in self.points
+            ],
+        }
+
+
+def default_capacities(footprint_blocks: int) -> list[int]:
+    """Capacities spread over the trace's footprint (distinct, ascending, at least 1)."""
+    return sorted({max(1, math.ceil(footprint_blocks * f)) for f in DEFAULT_FRACTIONS})
+
+
+def run_sweep(
+    requests: Sequence[Request],
+    capacities: Sequence[int],
+    *,
+    policies: Sequence[str] = POLICY_NAMES,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    block_bytes: int = 0,
+    trace_name: str = "trace",
+    on_step: Callable[[str, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> SweepResult:
+    """Simulate every policy (and Belady) at every capacity.
+
+    ``on_step(name, capacity)`` is called after each simulation (for progress);
+    ``should_stop()`` is checked before each one, and a stopped sweep returns the
+    capacities finished so far.
+    """
+    if not capacities or any(c <= 0 for c in capacities):
+        raise ValueError(f"capacities must be positive block counts, got {list(capacities)}")
+    points: list[SweepPoint] = []
+    for capacity in sorted(set(capacities)):
+        rates: dict[str, HitRate] = {}
+        for name in (*policies, BELADY):
+            if should_stop is not None and should_stop():
+                break
+            if name == BELADY:
+                rates[name] = simulate_belady(requests, capacity, block_tokens)
+            else:
+                rates[name] = simulate_policy(requests, capacity, name, block_tokens)
+            if on_step is not None:
+                on_step(name, capacity)
+        if len(rates) < len(policies) + 1:
+            break
+        points.append(SweepPoint(capacity, capacity * block_bytes, rates))
+    return SweepResult(
+        trace_name=trace_name,
+        num_requests=len(requests),
+        footprint_blocks=trace_footprint(requests),
+        block_tokens=block_tokens,
+        block_bytes=block_bytes,
+        policies=tuple(policies),
+        unlimited=unlimited_hit_rate(requests, block_tokens),
+        points=tuple(points),
+    )
+
+
+def write_csv(result: SweepResult, path: Path) -> None:
+    """One row per capacity: blocks, bytes, then the token hit rate of each cache."""
+    names = [*result.policies, BELADY]
+    with path.open("w", newline="", encoding="utf-8") as out:
+        writer = csv.writer(out)
+        writer.writerow(
+            [
+                "capacity_blocks",
+                "capacity_bytes",
+                *(f"{n}_token_hit_rate" for n in names),
+                "unlimited_token_hit_rate",
+            ]
+        )
+        for point in result.points:
+            writer.writerow(
+                [
+                    point.capacity_blocks,
+                    point.capacity_bytes,
+                    *(f"{point.hit_rates[n].token_hit_rate:.6f}" for n in names),
+                    f"{result.unlimited.token_hit_rate:.6f}",
+                ]
+            )
+
+
+def write_json(result: SweepResult, path: Path) -> None:
+    path.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+
+
+def plot_png(result: SweepResult, path: Path) -> None:
+    """Hit rate (%) against capacity, one line per policy, Belady dashed, ceiling dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5), dpi=100)
+    capacities = [p.capacity_blocks for p in result.points]
+    for name in result.policies:
+        axes.plot(
+            capacities,
+            [100 * p.hit_rates[name].token_hit_rate for p in result.points],
+            marker="o",
+            label=name.upper(),
+        )
+    axes.plot(
+        capacities,
+        [100 * p.hit_rates[BELADY].token_hit_rate for p in result.points],
+        linestyle="--",
+        color="black",
+        marker=".",
+        label="Belady (offline optimum)",
+    )
+    axes.axhline(
+        100 * result.unlimited.token_hit_rate,
+        linestyle=":",
+        color="grey",
+        label=f"unlimited capacity ({100 * result.unlimited.token_hit_rate:.1f}%)",
+    )
+    axes.set_xscale("log")
+    size = f"{result.block_tokens} tokens"
+    if result.block_bytes:
+        size += f", {result.block_bytes / 1024:g} KiB"
+    axes.set_xlabel(
+        f"cache capacity (blocks of {size}; footprint {result.footprint_blocks} blocks)"
+    )
+    axes.set_ylabel("token-weighted prefix hit rate (%)")
+    axes.set_ylim(0, 100)
+    axes.set_title(f"{result.trace_name}: {result.num_requests} requests")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
