@@ -1,0 +1,29 @@
+"""Replaying KV-cache workloads through the real tiering stack (``tiering replay``/``sweep``).
+
+* :mod:`~tiering.replay.trace`: Mooncake JSONL traces (read strictly, written back);
+* :mod:`~tiering.replay.synthetic`: the seeded built-in workload;
+* :mod:`~tiering.replay.offline`: hit rates without the stack (unlimited, policies, Belady);
+* :mod:`~tiering.replay.replayer`: the GPU prefix cache driving the real manager;
+* :mod:`~tiering.replay.stack`: building that stack from ``kv_connector_extra_config``;
+* :mod:`~tiering.replay.report`: the report (JSON and rich tables);
+* :mod:`~tiering.replay.sweep`: hit rate against capacity, with plot.
+
+Nothing here imports torch or vLLM.
+"""
+
+from tiering.replay.offline import HitRate, simulate_belady, simulate_policy, unlimited_hit_rate
+from tiering.replay.synthetic import SyntheticWorkload
+from tiering.replay.trace import Request, TraceError, iter_trace, read_trace, write_trace
+
+__all__ = [
+    "HitRate",
+    "Request",
+    "SyntheticWorkload",
+    "TraceError",
+    "iter_trace",
+    "read_trace",
+    "simulate_belady",
+    "simulate_policy",
+    "unlimited_hit_rate",
+    "write_trace",
+]
