@@ -1,0 +1,1 @@
+"""Test infrastructure shared by test modules (real servers, helpers)."""

@@ -1,0 +1,295 @@
+"""Real redis-server processes for tests: one standalone server or a 3-node cluster.
+
+The fixtures install ``redis-server`` from Debian when it is missing (CI runs
+as root with the package registries reachable) and start servers on free
+loopback ports in temporary directories, without persistence. They never skip:
+a machine that cannot run Redis fails these tests with the reason.
+
+Import the fixtures explicitly in a test module::
+
+    from tests.support.redis_server import redis_server  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import redis
+
+_INSTALL_LOCK = threading.Lock()
+_START_TIMEOUT_S = 15.0
+CLUSTER_NODES = 3
+
+
+def _install_hint() -> str:
+    return "install it with: apt-get update && apt-get install -y redis-server"
+
+
+def redis_binaries() -> tuple[str, str]:
+    """Paths of ``redis-server`` and ``redis-cli``, installing them from Debian if missing."""
+    with _INSTALL_LOCK:
+        server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if server and cli:
+            return server, cli
+        apt = shutil.which("apt-get")
+        if apt is None or os.geteuid() != 0:
+            pytest.fail(
+                f"redis-server is not installed and cannot be installed here; {_install_hint()}"
+            )
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for command in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "redis-server"]):
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                pytest.fail(
+                    f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}"
+                )
+        # The Debian package starts a system service on 6379; tests use their own servers.
+        subprocess.run(["service", "redis-server", "stop"], capture_output=True, check=False)
+        server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if not (server and cli):
+            pytest.fail(f"redis-server still missing after apt-get install; {_install_hint()}")
+        return server, cli
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(*, with_cluster_bus: bool = False) -> int:
+    """A loopback port nobody listens on (and, for cluster nodes, port + 10000 too)."""
+    for _ in range(200):
+        port = random.randint(20000, 30000)
+        if _port_free(port) and (not with_cluster_bus or _port_free(port + 10000)):
+            return port
+    raise RuntimeError("no free loopback port found")
+
+
+class RedisServer:
+    """One ``redis-server`` process on 127.0.0.1 that a test can stop, kill and restart.
+
+    ``extra_args`` are passed to ``redis-server`` (e.g. ``["--maxmemory", "2mb"]``).
+    Restarts reuse the port, so clients reconnect to the same url.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        port: int | None = None,
+        extra_args: Sequence[str] = (),
+        cluster_node: bool = False,
+    ) -> None:
+        self.server_bin, self.cli_bin = redis_binaries()
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port if port is not None else free_port(with_cluster_bus=cluster_node)
+        self.extra_args = list(extra_args)
+        self.cluster_node = cluster_node
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
+
+    def client(self) -> redis.Redis:
+        """A synchronous raw client (for tests that poke the server directly)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def start(self) -> RedisServer:
+        args = [
+            self.server_bin,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "no",
+            "--daemonize", "no",
+            "--logfile", str(self.log_path),
+        ]  # fmt: skip
+        if self.cluster_node:
+            args += [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{self.port}.conf",
+                "--cluster-node-timeout", "2000",
+            ]  # fmt: skip
+        args += self.extra_args
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_until_answering()
+        return self
+
+    def _wait_until_answering(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"redis-server on port {self.port} exited with {self.process.returncode}: "
+                    f"{self._log_tail()}"
+                )
+            try:
+                with self.client() as probe:
+                    if probe.ping():
+                        return
+            except redis.exceptions.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"redis-server on port {self.port} did not answer: {self._log_tail()}"
+                )
+            time.sleep(0.02)
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text()[-2000:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL) and wait for it. Idempotent."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+    def kill(self) -> None:
+        """Kill the server abruptly (SIGKILL), as a crash would."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Kill and start again on the same port (contents are lost: no persistence)."""
+        self.kill()
+        self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """Three ``redis-server --cluster-enabled yes`` nodes joined into one cluster (no replicas)."""
+
+    def __init__(self, workdir: Path, nodes: int = CLUSTER_NODES) -> None:
+        self.nodes = [RedisServer(workdir / f"node{i}", cluster_node=True) for i in range(nodes)]
+
+    @property
+    def url(self) -> str:
+        """The url of one node: clients discover the others from it."""
+        return self.nodes[0].url
+
+    def start(self) -> RedisClusterServers:
+        for node in self.nodes:
+            node.start()
+        cli = self.nodes[0].cli_bin
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        done = subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
+        self._wait_until_ok()
+        return self
+
+    def _wait_until_ok(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            states = []
+            for node in self.nodes:
+                with node.client() as probe:
+                    info = probe.execute_command("CLUSTER", "INFO")
+                text = info.decode() if isinstance(info, bytes) else str(info)
+                states.append("cluster_state:ok" in text)
+            if all(states):
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the redis cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+
+    def client(self) -> redis.RedisCluster:
+        """A synchronous raw cluster client."""
+        return redis.RedisCluster(host="127.0.0.1", port=self.nodes[0].port, socket_timeout=5)
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            with node.client() as raw:
+                raw.flushall()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A fresh standalone redis-server for this test (empty, no persistence)."""
+    with (
+        tempfile.TemporaryDirectory(prefix="kvt-redis-") as workdir,
+        RedisServer(Path(workdir)) as server,
+    ):
+        yield server
+
+
+@pytest.fixture
+def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
+    """Start servers with custom arguments, ``factory(extra_args=[...])``; all stopped after."""
+    started: list[RedisServer] = []
+    with tempfile.TemporaryDirectory(prefix="kvt-redis-") as workdir:
+
+        def start(*, extra_args: Sequence[str] = (), port: int | None = None) -> RedisServer:
+            server = RedisServer(
+                Path(workdir) / str(len(started)), port=port, extra_args=extra_args
+            )
+            started.append(server)
+            return server.start()
+
+        try:
+            yield start
+        finally:
+            for server in started:
+                server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    """A 3-node Redis Cluster shared by the session (tests use their own namespaces)."""
+    with tempfile.TemporaryDirectory(prefix="kvt-redis-cluster-") as workdir:
+        cluster = RedisClusterServers(Path(workdir)).start()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()

@@ -1,0 +1,56 @@
+"""Helpers for tests that drive a ``RedisTier`` directly (opened with a ``TierContext``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from tiering.keys import OffloadKey, make_offload_key
+from tiering.tier import TierContext
+from tiers.redis import RedisTier
+
+BLOCK_BYTES = 4096
+FINGERPRINT = "test-model/fp16/16tok"
+
+
+def new_keys(count: int) -> list[OffloadKey]:
+    """Random keys no other test uses."""
+    return [make_offload_key(os.urandom(16), i % 3) for i in range(count)]
+
+
+def new_blocks(count: int, block_bytes: int = BLOCK_BYTES) -> list[bytearray]:
+    return [bytearray(os.urandom(block_bytes)) for _ in range(count)]
+
+
+def views(buffers: list[bytearray]) -> list[memoryview]:
+    return [memoryview(b) for b in buffers]
+
+
+def context(block_bytes: int = BLOCK_BYTES, fingerprint: str = FINGERPRINT) -> TierContext:
+    return TierContext(block_bytes=block_bytes, layout_fingerprint=fingerprint, name="redis-test")
+
+
+@asynccontextmanager
+async def opened_tier(
+    url: str,
+    *,
+    block_bytes: int = BLOCK_BYTES,
+    fingerprint: str = FINGERPRINT,
+    **settings: Any,
+) -> AsyncIterator[RedisTier]:
+    """A ``RedisTier`` opened on ``url`` for the duration of the block, always closed after."""
+    settings.setdefault("namespace", "test-" + os.urandom(4).hex())
+    tier = RedisTier(url=url, **settings)
+    await tier.open(context(block_bytes, fingerprint))
+    try:
+        yield tier
+    finally:
+        await tier.aclose()
+
+
+async def read_back(tier: RedisTier, key: OffloadKey) -> bytes:
+    into = bytearray(tier.block_bytes)
+    await tier.read(key, memoryview(into))
+    return bytes(into)

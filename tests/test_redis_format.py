@@ -1,0 +1,257 @@
+"""The Redis tier's pure parts: value format, key names, config validation, reconnect gate."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tiering.errors import ConfigError, CorruptBlock
+from tiering.keys import make_offload_key
+from tiers.redis import HEADER_LEN, BlockLayout, RedisTier, RedisTierConfig
+from tiers.redis.gate import ReconnectGate
+from tiers.redis.layout import MAGIC
+
+BLOCK = 256
+KEY = make_offload_key(b"\x01" * 32, 3)
+OTHER_KEY = make_offload_key(b"\x02" * 32, 3)
+
+
+def layout(namespace: str = "ns", fingerprint: str = "fp", block_bytes: int = BLOCK) -> BlockLayout:
+    return BlockLayout(namespace, fingerprint, block_bytes)
+
+
+def payload(seed: int = 7) -> bytes:
+    return bytes((seed * 31 + i) % 251 for i in range(BLOCK))
+
+
+# -- value format ------------------------------------------------------------------------------
+
+
+def test_value_round_trip_and_layout() -> None:
+    value = layout().encode(KEY, memoryview(payload()))
+    assert len(value) == HEADER_LEN + BLOCK
+    assert value[:4] == MAGIC
+    assert value[HEADER_LEN:] == payload()
+    into = bytearray(BLOCK)
+    layout().decode_into(KEY, value, memoryview(into))
+    assert into == payload()
+
+
+def test_decode_into_accepts_a_non_byte_destination_view() -> None:
+    value = layout().encode(KEY, memoryview(payload()))
+    into = bytearray(BLOCK)
+    layout().decode_into(KEY, value, memoryview(into).cast("I"))
+    assert into == payload()
+
+
+@given(position=st.integers(0, HEADER_LEN + BLOCK - 1), flip=st.integers(1, 255))
+def test_any_single_byte_change_is_detected(position: int, flip: int) -> None:
+    value = bytearray(layout().encode(KEY, memoryview(payload())))
+    value[position] ^= flip
+    into = bytearray(b"\xee" * BLOCK)
+    with pytest.raises(CorruptBlock):
+        layout().decode_into(KEY, bytes(value), memoryview(into))
+    assert into == b"\xee" * BLOCK, "a rejected value must leave the destination untouched"
+
+
+@given(cut=st.integers(0, HEADER_LEN + BLOCK - 1))
+def test_truncated_values_are_corrupt(cut: int) -> None:
+    value = layout().encode(KEY, memoryview(payload()))[:cut]
+    with pytest.raises(CorruptBlock):
+        layout().decode_into(KEY, value, memoryview(bytearray(BLOCK)))
+
+
+def test_extra_trailing_bytes_are_corrupt() -> None:
+    value = layout().encode(KEY, memoryview(payload())) + b"x"
+    with pytest.raises(CorruptBlock, match="length"):
+        layout().decode_into(KEY, value, memoryview(bytearray(BLOCK)))
+
+
+def test_value_written_under_another_fingerprint_is_corrupt() -> None:
+    value = layout(fingerprint="other-model").encode(KEY, memoryview(payload()))
+    with pytest.raises(CorruptBlock, match="fingerprint"):
+        layout().decode_into(KEY, value, memoryview(bytearray(BLOCK)))
+
+
+def test_value_of_another_key_is_corrupt() -> None:
+    value = layout().encode(OTHER_KEY, memoryview(payload()))
+    with pytest.raises(CorruptBlock, match="another key"):
+        layout().decode_into(KEY, value, memoryview(bytearray(BLOCK)))
+
+
+def test_future_format_version_is_not_served() -> None:
+    value = bytearray(layout().encode(KEY, memoryview(payload())))
+    struct.pack_into("<B", value, 4, 2)
+    with pytest.raises(CorruptBlock, match="version"):
+        layout().decode_into(KEY, bytes(value), memoryview(bytearray(BLOCK)))
+
+
+def test_encode_rejects_a_block_of_the_wrong_size() -> None:
+    with pytest.raises(ValueError, match="bytes"):
+        layout().encode(KEY, memoryview(bytes(BLOCK - 1)))
+
+
+# -- key names ---------------------------------------------------------------------------------
+
+
+def test_key_names_isolate_namespace_fingerprint_and_block() -> None:
+    names = {
+        layout().redis_key(KEY),
+        layout(namespace="ns2").redis_key(KEY),
+        layout(fingerprint="fp2").redis_key(KEY),
+        layout().redis_key(OTHER_KEY),
+    }
+    assert len(names) == 4
+
+
+def test_hash_tag_covers_exactly_the_block_identity() -> None:
+    name = layout(namespace="a.b/c-d_e").redis_key(KEY)
+    tag = name[name.index(b"{") + 1 : name.index(b"}")]
+    assert tag == KEY.hex().encode()
+    assert name.count(b"{") == 1 and name.endswith(b"}")
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def test_defaults_are_valid() -> None:
+    config = RedisTierConfig()
+    assert config.url == "redis://127.0.0.1:6379/0"
+    assert not config.cluster and not config.uses_tls
+    assert config.on_start_unreachable == "fail"
+
+
+@pytest.mark.parametrize(
+    ("settings", "names"),
+    [
+        ({"url": "http://x:6379"}, "url"),
+        ({"url": 6379}, "url"),
+        ({"cluster": "false"}, "cluster"),
+        ({"cluster": True, "url": "redis://h:7000/3"}, "url"),
+        ({"cluster": True, "url": "unix:///tmp/r.sock"}, "url"),
+        ({"cluster": True, "ssl_password": "x"}, "ssl_password"),
+        ({"namespace": "a{b}"}, "namespace"),
+        ({"namespace": ""}, "namespace"),
+        ({"namespace": "has space"}, "namespace"),
+        ({"max_connections": 0}, "max_connections"),
+        ({"max_connections": 2.5}, "max_connections"),
+        ({"op_timeout_s": 0}, "op_timeout_s"),
+        ({"op_timeout_s": float("inf")}, "op_timeout_s"),
+        ({"connect_timeout_s": "1"}, "connect_timeout_s"),
+        ({"on_start_unreachable": "ignore"}, "on_start_unreachable"),
+        ({"ttl_s": -1}, "ttl_s"),
+        ({"ttl_s": 0.0001}, "ttl_s"),
+        ({"ssl_cert_reqs": "maybe"}, "ssl_cert_reqs"),
+        ({"ssl_min_version": "SSLv3"}, "ssl_min_version"),
+        ({"url": "unix:///tmp/r.sock", "ssl": True}, "url"),
+        ({"reconnect_interval_s": 5, "max_reconnect_interval_s": 1}, "max_reconnect_interval_s"),
+        ({"max_pipeline_bytes": 0}, "max_pipeline_bytes"),
+        ({"password": 1234}, "password"),
+    ],
+)
+def test_bad_settings_raise_config_error_naming_the_key(
+    settings: dict[str, object], names: str
+) -> None:
+    with pytest.raises(ConfigError, match=names):
+        RedisTier(**settings)
+
+
+def test_unknown_setting_is_named() -> None:
+    with pytest.raises(ConfigError, match="'hostname'"):
+        RedisTier(hostname="x")
+
+
+def test_tls_settings_pass_through() -> None:
+    config = RedisTierConfig(
+        ssl_ca_certs="/ca.pem",
+        ssl_certfile="/c.pem",
+        ssl_keyfile="/k.pem",
+        ssl_cert_reqs="optional",
+        ssl_min_version="TLSv1_3",
+    )
+    assert config.uses_tls
+    kwargs = config.tls_kwargs()
+    assert kwargs["ssl_ca_certs"] == "/ca.pem"
+    assert kwargs["ssl_certfile"] == "/c.pem" and kwargs["ssl_keyfile"] == "/k.pem"
+    assert kwargs["ssl_cert_reqs"] == "optional"
+    assert kwargs["ssl_min_version"].name == "TLSv1_3"
+    assert RedisTierConfig(url="rediss://h:6380/0").uses_tls
+    assert RedisTierConfig().tls_kwargs() == {}
+
+
+def test_safe_url_masks_the_password() -> None:
+    config = RedisTierConfig(url="redis://user:s3cret@h:6379/0")
+    assert "s3cret" not in config.safe_url() and "***" in config.safe_url()
+
+
+def test_ttl_in_milliseconds() -> None:
+    assert RedisTierConfig(ttl_s=1.5).ttl_ms == 1500
+    assert RedisTierConfig().ttl_ms is None
+
+
+# -- reconnect gate ----------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_gate_fails_fast_then_probes_with_backoff() -> None:
+    clock = FakeClock()
+    gate = ReconnectGate(1.0, 4.0, clock)
+    assert gate.admit() and not gate.is_down
+    assert gate.record_unreachable() is True
+    assert not gate.admit(), "refused at once while down"
+    assert gate.seconds_until_probe() == pytest.approx(1.0)
+    clock.now += 1.0
+    assert gate.admit(), "a probe is let through when due"
+    assert not gate.admit(), "only one round of probes per interval"
+    assert gate.record_unreachable() is False
+    assert gate.seconds_until_probe() == pytest.approx(2.0), "a failed probe doubles the wait"
+    clock.now += 2.0
+    assert gate.admit()
+    gate.record_unreachable()
+    clock.now += 4.0
+    assert gate.admit()
+    gate.record_unreachable()
+    assert gate.seconds_until_probe() == pytest.approx(4.0), "capped at max_delay_s"
+    clock.now += 4.0
+    assert gate.admit()
+    assert gate.record_success() is True
+    assert not gate.is_down and gate.admit()
+    gate.record_unreachable()
+    assert gate.seconds_until_probe() == pytest.approx(1.0), "success resets the backoff"
+
+
+def test_failures_of_operations_already_in_flight_do_not_compound_the_wait() -> None:
+    clock = FakeClock()
+    gate = ReconnectGate(1.0, 8.0, clock)
+    for _ in range(5):
+        gate.record_unreachable()
+    assert gate.seconds_until_probe() == pytest.approx(1.0)
+
+
+@given(events=st.lists(st.sampled_from(["admit", "fail", "ok", "tick"]), min_size=1, max_size=60))
+def test_gate_invariants(events: list[str]) -> None:
+    clock = FakeClock()
+    gate = ReconnectGate(0.5, 4.0, clock)
+    for event in events:
+        if event == "admit":
+            admitted = gate.admit()
+            assert admitted or gate.is_down, "an up gate admits everything"
+        elif event == "fail":
+            gate.record_unreachable()
+            assert gate.is_down
+        elif event == "ok":
+            gate.record_success()
+            assert not gate.is_down and gate.admit()
+        else:
+            clock.now += 1.0
+        assert 0.0 <= gate.seconds_until_probe() <= 4.0

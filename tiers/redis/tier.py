@@ -1,0 +1,442 @@
+"""``RedisTier``: KV blocks in Redis or Redis Cluster, shared by every engine that uses it.
+
+One Redis string per block (see :mod:`tiers.redis.layout`), written and read
+with pipelines: a job's blocks travel in one round trip per node (redis-py's
+cluster pipeline groups commands per node and runs the nodes concurrently).
+Jobs larger than ``max_pipeline_bytes`` are split into several round trips so
+neither side buffers an unbounded request.
+
+The server's contents change behind our back (other engines write, the server
+evicts under ``maxmemory``, keys expire), so the tier is ``shared``: the
+runtime resolves presence with :meth:`RedisTier.contains_many`, and a load of
+a key that vanished raises :class:`~tiering.errors.BlockNotFound` (a miss).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from tiering.errors import BlockNotFound, ConfigError, CorruptBlock, PartialBatchError
+from tiering.keys import OffloadKey
+from tiering.tier import AsyncTier, TierContext
+from tiers.redis.config import RedisTierConfig
+from tiers.redis.connection import (
+    RedisClient,
+    build_client,
+    is_credentials_error,
+    is_unreachable,
+    translate,
+)
+from tiers.redis.errors import RedisTierCommandError, RedisTierTimeout, RedisTierUnavailable
+from tiers.redis.gate import ReconnectGate
+from tiers.redis.layout import BlockLayout
+from tiers.redis.stats import RedisTierStats
+
+logger = logging.getLogger(__name__)
+
+_SETTINGS = frozenset(field.name for field in dataclasses.fields(RedisTierConfig))
+
+#: What one pipeline command produced: a reply, or the error for that command.
+Reply = Any
+FillPipeline = Callable[[Any], None]
+
+
+class RedisTier(AsyncTier):
+    """A shared secondary tier in Redis (standalone) or Redis Cluster.
+
+    Construct it with the keyword settings of :class:`RedisTierConfig` (what
+    users write in ``secondary_tiers``); every value is validated here and a
+    bad one raises :class:`~tiering.errors.ConfigError`. No connection is made
+    before :meth:`open`.
+    """
+
+    shared = True
+
+    def __init__(self, **settings: Any) -> None:
+        unknown = sorted(set(settings) - _SETTINGS)
+        if unknown:
+            raise ConfigError(
+                f"redis tier: unknown setting(s) {', '.join(map(repr, unknown))}; "
+                f"accepted: {', '.join(sorted(_SETTINGS))}"
+            )
+        self.config = RedisTierConfig(**settings)
+        #: Each operation holds one connection (per node) for its round trip.
+        self.max_concurrency = self.config.max_connections
+        self.stats = RedisTierStats()
+        self._gate = ReconnectGate(
+            self.config.reconnect_interval_s, self.config.max_reconnect_interval_s
+        )
+        # Worst case for one round trip: re-dial a dead pooled connection, then wait
+        # out the reply; redis-py's own timeouts normally end it well before this.
+        self._round_trip_budget_s = 2 * (self.config.connect_timeout_s + self.config.op_timeout_s)
+        self._client: RedisClient | None = None
+        self._layout: BlockLayout | None = None
+        self._connections: asyncio.Semaphore | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def open(self, context: TierContext) -> None:
+        """Build the client and check the server answers.
+
+        With ``on_start_unreachable="fail"`` (the default) an unreachable
+        server raises :class:`RedisTierUnavailable`; with ``"degrade"`` the tier
+        opens anyway, reports misses and keeps retrying the connection.
+        Rejected credentials always raise. Cancellation: the client is closed.
+        """
+        await super().open(context)
+        self._layout = BlockLayout(
+            self.config.namespace, context.layout_fingerprint, context.block_bytes
+        )
+        self._connections = asyncio.Semaphore(self.config.max_connections)
+        self._client = build_client(self.config)
+        try:
+            async with asyncio.timeout(self._round_trip_budget_s):
+                await self._client.ping()
+        except BaseException as exc:
+            degrade = (
+                isinstance(exc, Exception)
+                and self.config.on_start_unreachable == "degrade"
+                and is_unreachable(exc)
+                and not is_credentials_error(exc)
+            )
+            if not degrade:
+                await self.aclose()
+                if not isinstance(exc, Exception):
+                    raise
+                raise self._open_error(exc) from exc
+            self._note_unreachable()
+            logger.warning(
+                "%s: Redis at %s is unreachable at start (%s); the tier reports misses "
+                "and retries the connection (on_start_unreachable='degrade')",
+                context.name,
+                self.config.safe_url(),
+                exc,
+            )
+            return
+        logger.info(
+            "%s: connected to Redis%s at %s, namespace %r",
+            context.name,
+            " Cluster" if self.config.cluster else "",
+            self.config.safe_url(),
+            self.config.namespace,
+        )
+
+    def _open_error(self, exc: Exception) -> Exception:
+        where = f"redis tier {self.context.name!r}: cannot use {self.config.safe_url()}"
+        if is_credentials_error(exc):
+            return RedisTierCommandError(
+                f"{where}: the server rejected the credentials ({exc}); check username/password"
+            )
+        if is_unreachable(exc):
+            return RedisTierUnavailable(
+                f"{where}: the server is unreachable ({type(exc).__name__}: {exc}). Start it, "
+                "fix the url, or set on_start_unreachable='degrade' to start without it"
+            )
+        error = translate(exc, where)
+        return error if isinstance(error, Exception) else exc
+
+    async def aclose(self) -> None:
+        """Close every connection. Idempotent.
+
+        Cancellation: connections not yet closed are dropped with the client.
+        """
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    # -- the tier API ----------------------------------------------------------------------
+
+    async def contains(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s block is in Redis now (another engine may drop it next).
+
+        Cancellation: no side effects.
+        """
+        return (await self.contains_many([key]))[0]
+
+    async def contains_many(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """Presence of several blocks in one round trip per node (``STRLEN`` each).
+
+        A key counts as present only if its value has exactly the length this
+        tier writes. While the server is unreachable every key is reported
+        absent (a miss), so lookups never wait on an outage.
+        Cancellation: no side effects.
+        """
+        if not keys:
+            return []
+        layout = self._require_layout()
+        names = [layout.redis_key(k) for k in keys]
+
+        def fill(pipe: Any) -> None:
+            for name in names:
+                pipe.strlen(name)
+
+        try:
+            replies = await self._round_trip("STRLEN", fill)
+        except (RedisTierUnavailable, RedisTierTimeout):
+            return [False] * len(keys)
+        return [reply == layout.value_len for reply in replies]
+
+    async def read(self, key: OffloadKey, into: memoryview) -> None:
+        """Load ``key``'s block into ``into``; see :meth:`read_many`.
+
+        Cancellation: the connection is dropped; ``into`` may be partly written.
+        """
+        await _single(self.read_many([key], [into]), key)
+
+    async def write(self, key: OffloadKey, data: memoryview) -> None:
+        """Store ``data`` as ``key``'s block; see :meth:`write_many`.
+
+        Cancellation: the block is either absent or complete (one atomic ``SET``).
+        """
+        await _single(self.write_many([key], [data]), key)
+
+    async def read_many(self, keys: Sequence[OffloadKey], into: Sequence[memoryview]) -> None:
+        """Load blocks with ``GET`` (``GETEX`` refreshing the TTL when one is set).
+
+        Each value is verified (header, fingerprint, key, length, checksum)
+        before its bytes are copied into the destination row: a vanished key
+        raises :class:`BlockNotFound`, a bad value :class:`CorruptBlock` (and is
+        deleted, so it stops costing misses). Failures are collected into one
+        :class:`PartialBatchError`. Cancellation: the connection is dropped;
+        destination rows may be partly written.
+        """
+        if len(keys) != len(into):
+            raise ValueError(f"{len(keys)} keys but {len(into)} destination buffers")
+        layout = self._require_layout()
+        ttl_ms = self.config.ttl_ms
+        errors: dict[bytes, BaseException] = {}
+        succeeded: list[bytes] = []
+        gone: list[OffloadKey] = []
+        corrupt: list[OffloadKey] = []
+        for lo, hi in self._chunks(len(keys)):
+            chunk = keys[lo:hi]
+            names = [layout.redis_key(k) for k in chunk]
+
+            def fill(pipe: Any, names: list[bytes] = names) -> None:
+                for name in names:
+                    if ttl_ms is None:
+                        pipe.get(name)
+                    else:
+                        pipe.getex(name, px=ttl_ms)
+
+            try:
+                replies = await self._round_trip("GET", fill)
+            except Exception as exc:
+                errors.update(dict.fromkeys(chunk, exc))
+                continue
+            for key, reply, dest in zip(chunk, replies, into[lo:hi], strict=True):
+                try:
+                    if isinstance(reply, BaseException):
+                        if str(reply).startswith("WRONGTYPE"):
+                            raise CorruptBlock(key, "the key holds a non-string value")
+                        raise self._translate(reply, "GET", key)
+                    if reply is None:
+                        gone.append(key)
+                        raise BlockNotFound(key)
+                    layout.decode_into(key, reply, dest)
+                except CorruptBlock as exc:
+                    corrupt.append(key)
+                    errors[key] = exc
+                except Exception as exc:
+                    errors[key] = exc
+                else:
+                    succeeded.append(key)
+        self.stats.blocks_read += len(succeeded)
+        self.stats.bytes_read += len(succeeded) * layout.block_bytes
+        self.stats.read_failures += len(errors)
+        self.stats.vanished_blocks += len(gone)
+        self.stats.corrupt_blocks += len(corrupt)
+        if gone or corrupt:
+            self.report_removed(gone + corrupt)
+        if corrupt:
+            await self._drop_corrupt(corrupt)
+        if errors:
+            raise PartialBatchError(succeeded, errors)
+
+    async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
+        """Store blocks with one ``SET`` each (``PX`` when a TTL is set), pipelined.
+
+        A ``SET`` is atomic on the server, so a block is either absent or
+        complete: never readable half written. Refusals (``OOM`` under
+        ``maxmemory`` with ``noeviction``, ...) fail their keys with
+        :class:`RedisTierCommandError`, collected into one
+        :class:`PartialBatchError`. Cancellation: the connection is dropped;
+        each block is absent or complete.
+        """
+        if len(keys) != len(data):
+            raise ValueError(f"{len(keys)} keys but {len(data)} source buffers")
+        layout = self._require_layout()
+        ttl_ms = self.config.ttl_ms
+        errors: dict[bytes, BaseException] = {}
+        succeeded: list[bytes] = []
+        for lo, hi in self._chunks(len(keys)):
+            chunk = keys[lo:hi]
+            commands = [
+                (layout.redis_key(k), layout.encode(k, d))
+                for k, d in zip(chunk, data[lo:hi], strict=True)
+            ]
+
+            def fill(pipe: Any, commands: list[tuple[bytes, bytes]] = commands) -> None:
+                for name, value in commands:
+                    pipe.set(name, value, px=ttl_ms)
+
+            try:
+                replies = await self._round_trip("SET", fill)
+            except Exception as exc:
+                errors.update(dict.fromkeys(chunk, exc))
+                continue
+            for key, reply in zip(chunk, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    errors[key] = self._translate(reply, "SET", key)
+                else:
+                    succeeded.append(key)
+        self.stats.blocks_written += len(succeeded)
+        self.stats.bytes_written += len(succeeded) * layout.block_bytes
+        self.stats.write_failures += len(errors)
+        if errors:
+            raise PartialBatchError(succeeded, errors)
+
+    async def delete(self, key: OffloadKey) -> None:
+        """Remove ``key``'s block (no error if absent).
+
+        Cancellation: the block is either still present and intact, or gone.
+        """
+        layout = self._require_layout()
+        name = layout.redis_key(key)
+        (reply,) = await self._round_trip("DEL", lambda pipe: pipe.delete(name))
+        if isinstance(reply, BaseException):
+            raise self._translate(reply, "DEL", key)
+
+    async def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark blocks recently used: refresh their TTL, or their LRU clock without one.
+
+        Best effort: an unreachable server is ignored (touch is advisory).
+        Cancellation: some keys may have been touched.
+        """
+        if not keys:
+            return
+        layout = self._require_layout()
+        ttl_ms = self.config.ttl_ms
+        names = [layout.redis_key(k) for k in keys]
+
+        def fill(pipe: Any) -> None:
+            for name in names:
+                if ttl_ms is None:
+                    pipe.touch(name)
+                else:
+                    pipe.pexpire(name, ttl_ms)
+
+        try:
+            await self._round_trip("TOUCH", fill)
+        except (RedisTierUnavailable, RedisTierTimeout):
+            return
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _require_layout(self) -> BlockLayout:
+        if self._layout is None:
+            raise RuntimeError("RedisTier has not been opened")
+        return self._layout
+
+    def _chunks(self, count: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` ranges of at most ``max_pipeline_bytes`` of values each."""
+        per_chunk = max(1, self.config.max_pipeline_bytes // self._require_layout().value_len)
+        return [(lo, min(lo + per_chunk, count)) for lo in range(0, count, per_chunk)]
+
+    def _where(self, op: str) -> str:
+        name = self._context.name if self._context is not None else "redis"
+        return f"redis tier {name!r} {op} on {self.config.safe_url()}"
+
+    def _translate(self, exc: BaseException, op: str, key: OffloadKey) -> BaseException:
+        error = translate(exc, f"{self._where(op)} of block {key.hex()}")
+        if isinstance(error, RedisTierCommandError) and error.out_of_memory:
+            self.stats.out_of_memory_rejections += 1
+        return error
+
+    async def _round_trip(self, op: str, fill: FillPipeline) -> list[Reply]:
+        """Run one pipeline filled by ``fill``: one round trip per node.
+
+        Returns one reply per command; a command the server refused comes back
+        as its exception. Raises (translated) when the whole round trip fails,
+        and :class:`RedisTierUnavailable` at once while the server is known to
+        be down. Never takes longer than the round-trip budget.
+        """
+        client = self._client
+        if client is None or self._connections is None:
+            raise RedisTierUnavailable(f"{self._where(op)}: the tier is closed")
+        if not self._gate.admit():
+            self.stats.refused_while_down += 1
+            raise RedisTierUnavailable(
+                f"{self._where(op)}: server unreachable; next connection attempt in "
+                f"{self._gate.seconds_until_probe():.1f}s"
+            )
+        async with self._connections:
+            pipe: Any = (
+                client.pipeline() if self.config.cluster else client.pipeline(transaction=False)
+            )
+            fill(pipe)
+            try:
+                async with asyncio.timeout(self._round_trip_budget_s):
+                    replies: list[Reply] = await pipe.execute(raise_on_error=False)
+            except Exception as exc:
+                error = translate(exc, self._where(op))
+                if isinstance(error, RedisTierTimeout):
+                    self.stats.timeouts += 1
+                if is_unreachable(exc):
+                    self._note_unreachable()
+                raise error from exc
+        self._note_reachable()
+        return replies
+
+    def _note_unreachable(self) -> None:
+        self.stats.unreachable_errors += 1
+        if self._gate.record_unreachable():
+            self.stats.outages += 1
+            logger.warning(
+                "%s: Redis at %s is unreachable; failing operations at once and retrying "
+                "the connection in %.1fs",
+                self._context.name if self._context else "redis",
+                self.config.safe_url(),
+                self._gate.seconds_until_probe(),
+            )
+
+    def _note_reachable(self) -> None:
+        if self._gate.record_success():
+            self.stats.recoveries += 1
+            logger.info(
+                "%s: Redis at %s is reachable again",
+                self._context.name if self._context else "redis",
+                self.config.safe_url(),
+            )
+
+    async def _drop_corrupt(self, keys: Sequence[OffloadKey]) -> None:
+        """Delete values that failed verification, so they stop costing misses.
+
+        Best effort: another engine may rewrite a key between our read and this
+        delete; that costs one later miss, never a wrong hit.
+        """
+        layout = self._require_layout()
+        names = [layout.redis_key(k) for k in keys]
+
+        def fill(pipe: Any) -> None:
+            for name in names:
+                pipe.delete(name)
+
+        try:
+            await self._round_trip("DEL", fill)
+        except Exception as exc:
+            logger.warning(
+                "%s: could not delete %d corrupt block(s): %s", self._where("DEL"), len(keys), exc
+            )
+
+
+async def _single(batch: Coroutine[Any, Any, None], key: OffloadKey) -> None:
+    """Await a one-key batch operation and raise that key's own error, unwrapped."""
+    try:
+        await batch
+    except PartialBatchError as exc:
+        raise exc.errors[key] from None
