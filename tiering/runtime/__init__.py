@@ -1,0 +1,14 @@
+"""The async tier runtime: any :class:`~tiering.tier.AsyncTier` behind the seed's sync facade.
+
+- :class:`AsyncTierManager` (``facade``): the scheduler-facing ``SecondaryTierManager``.
+- :class:`TierStats` (``stats``): its immutable statistics snapshot.
+- :class:`LoopThread` (``loop_thread``): a named event-loop thread, BlockingPortal-style.
+
+See ``docs/runtime.md`` for threads, hand-offs, deadlines, cancellation and shutdown.
+"""
+
+from tiering.runtime.facade import AsyncTierManager
+from tiering.runtime.loop_thread import LoopThread, WrongThreadError
+from tiering.runtime.stats import TierStats
+
+__all__ = ["AsyncTierManager", "LoopThread", "TierStats", "WrongThreadError"]

@@ -1,0 +1,416 @@
+"""``AsyncTierManager``: the seed's synchronous ``SecondaryTierManager`` over any ``AsyncTier``.
+
+The scheduler thread calls this facade; the tier runs as coroutines on a
+dedicated event-loop thread owned by the facade. What crosses threads:
+
+* scheduler -> loop: immutable job descriptions, through a :class:`Mailbox`
+  (a deque plus coalesced ``call_soon_threadsafe`` wake-ups);
+* loop -> scheduler: ``JobResult`` objects through a ``queue.SimpleQueue``,
+  events through a deque, and a presence view (sets the loop thread writes
+  and ``lookup`` reads) so that ``lookup`` never makes a round trip.
+
+Scheduler-side state (outstanding jobs, keys with a store in flight) is owned
+by the thread that calls the facade; calls must not overlap (the seed's
+contract: every method runs on the scheduler thread). See ``docs/runtime.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterable
+from types import TracebackType
+from typing import NamedTuple
+
+from tiering.errors import ConfigError, ContractError, TierClosedError
+from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
+from tiering.keys import OffloadKey, ReqContext
+from tiering.runtime.loop_thread import LoopThread
+from tiering.runtime.mailbox import Mailbox
+from tiering.runtime.service import TierService, _Job
+from tiering.runtime.stats import TierStats
+from tiering.tier import AsyncTier, TierContext
+
+logger = logging.getLogger("tiering.runtime")
+
+_NOTHING: tuple[JobResult, ...] = ()
+
+
+class _Outstanding(NamedTuple):
+    is_load: bool
+    keys: tuple[OffloadKey, ...]
+
+
+class AsyncTierManager(SecondaryTierManager):
+    """Runs ``tier`` on its own event-loop thread behind the seed's scheduler-facing contract.
+
+    Construction starts the thread, opens the tier (``TierContext`` with the
+    primary view's row size as ``block_bytes``) within ``open_timeout_s`` and
+    seeds the presence view from ``tier.list_keys()``; a failure closes
+    everything and re-raises the tier's exception.
+
+    ``primary_kv_view`` is the primary tier's buffer: 2-D ``(num_blocks,
+    block_bytes)`` (any format, C-contiguous), or 1-D bytes with
+    ``block_bytes`` given. ``job_timeout_s`` is every job's deadline from its
+    submission; ``shutdown_timeout_s`` bounds :meth:`shutdown`;
+    ``cancel_grace_s`` is how long a job's tier operation may ignore
+    cancellation before the job is reported failed anyway;
+    ``shared_absent_ttl_s`` is how long a shared tier's "absent" answer is
+    trusted; ``max_events`` bounds events waiting for :meth:`take_events`
+    (more are counted in ``stats().events_dropped``).
+
+    Use it as a context manager, or call :meth:`shutdown`.
+    """
+
+    def __init__(
+        self,
+        tier: AsyncTier,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        *,
+        name: str | None = None,
+        layout_fingerprint: str = "",
+        job_timeout_s: float = 30.0,
+        open_timeout_s: float = 30.0,
+        shutdown_timeout_s: float = 10.0,
+        block_bytes: int | None = None,
+        cancel_grace_s: float = 1.0,
+        shared_absent_ttl_s: float = 5.0,
+        max_events: int = 100_000,
+    ) -> None:
+        super().__init__(primary_kv_view, tier_type)
+        if not isinstance(tier, AsyncTier):
+            raise TypeError(f"tier must be an AsyncTier, not {type(tier).__name__}")
+        for option, value in (
+            ("job_timeout_s", job_timeout_s),
+            ("open_timeout_s", open_timeout_s),
+            ("shutdown_timeout_s", shutdown_timeout_s),
+            ("cancel_grace_s", cancel_grace_s),
+            ("shared_absent_ttl_s", shared_absent_ttl_s),
+        ):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+        if not isinstance(max_events, int) or max_events < 0:
+            raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
+        self.name = name or tier_type
+        self.tier = tier
+        self.job_timeout_s = float(job_timeout_s)
+        self.shutdown_timeout_s = float(shutdown_timeout_s)
+        self._flat, self._num_rows, self.block_bytes = _geometry(primary_kv_view, block_bytes)
+        self._closed = False
+        self._shutdown_lock = threading.Lock()
+        # Scheduler-owned state.
+        self._outstanding: dict[int, _Outstanding] = {}
+        self._storing: dict[OffloadKey, int] = {}
+        self._ready: deque[JobResult] = deque()
+        self._requested: dict[OffloadKey, float] = {}
+        self._store_jobs = 0
+        self._load_jobs = 0
+        self._thread = LoopThread(f"tier-{self.name}")
+        self._service = TierService(
+            tier,
+            name=self.name,
+            flat_view=self._flat,
+            block_bytes=self.block_bytes,
+            job_timeout_s=self.job_timeout_s,
+            cancel_grace_s=float(cancel_grace_s),
+            shared_absent_ttl_s=float(shared_absent_ttl_s),
+            max_events=max_events,
+        )
+        self._mailbox = Mailbox(self._thread.loop)
+        context = TierContext(self.block_bytes, layout_fingerprint, self.name)
+        try:
+            self._thread.call(self._service.open, context, timeout=float(open_timeout_s))
+        except BaseException:
+            self._closed = True
+            try:
+                self._thread.call(
+                    self._service.close_tier_only,
+                    self.shutdown_timeout_s,
+                    timeout=self.shutdown_timeout_s + 1.0,
+                )
+            except BaseException:
+                logger.exception("tier %s: closing after a failed open failed", self.name)
+            finally:
+                self._thread.close(self.shutdown_timeout_s)
+                self._flat.release()
+            raise
+        # The published views, bound once so lookup is a couple of set probes.
+        self._present = self._service.present
+        self._unsettled = self._service.unsettled
+        self._absent_at = self._service.absent_at
+        self._results = self._service.results
+        self._shared = self._service.shared
+        self._absent_ttl_s = float(shared_absent_ttl_s)
+
+    # -- the scheduler-facing contract -------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
+        """True if ``key`` is in the tier, False if not, None if in flight or being checked.
+
+        Never waits for the loop. For a shared tier an unknown key answers
+        None and is checked in the background (batched with other keys); the
+        answer is cached (an absent answer for ``shared_absent_ttl_s``).
+        """
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        if key in self._present:
+            return True
+        if key in self._storing or key in self._unsettled:
+            return None
+        if not self._shared:
+            return False
+        return self._lookup_shared(key)
+
+    def _lookup_shared(self, key: OffloadKey) -> bool | None:
+        now = time.monotonic()
+        absent_at = self._absent_at.get(key)
+        if absent_at is not None and now - absent_at < self._absent_ttl_s:
+            self._requested.pop(key, None)
+            return False
+        asked = self._requested.get(key)
+        if asked is not None and now - asked < self.job_timeout_s:
+            return None  # already being checked
+        if len(self._requested) >= 65536:
+            self._forget_old_requests(now)
+        self._requested[key] = now
+        self._mailbox.post(self._service.request_resolve, key)
+        return None
+
+    def _forget_old_requests(self, now: float) -> None:
+        horizon = now - self.job_timeout_s
+        self._requested = {k: t for k, t in self._requested.items() if t >= horizon}
+
+    def submit_store(self, job_metadata: JobMetadata) -> None:
+        """Copy the job's primary rows into the tier, skipping keys already present.
+
+        Returns at once; the result comes from :meth:`get_finished`. Raises
+        :class:`~tiering.errors.ContractError` (nothing enqueued) for a job id
+        in flight or with an undelivered result, mismatched lengths, a block
+        id outside the primary view or a key listed twice.
+        """
+        job = self._accept(job_metadata, is_load=False)
+        storing = self._storing
+        for key in job.meta.keys:
+            storing[key] = storing.get(key, 0) + 1
+        self._store_jobs += 1
+        self._mailbox.post(self._service.start_job, job)
+
+    def submit_load(self, job_metadata: JobMetadata) -> None:
+        """Copy the keys' blocks into the job's primary rows; any failed key fails the job.
+
+        Returns at once; bad input raises like :meth:`submit_store`.
+        """
+        job = self._accept(job_metadata, is_load=True)
+        self._load_jobs += 1
+        self._mailbox.post(self._service.start_job, job)
+
+    def _accept(self, meta: JobMetadata, *, is_load: bool) -> _Job:
+        """Validate a submitted job and register it as outstanding (raises, changing nothing)."""
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        job_id = meta.job_id
+        if job_id in self._outstanding:
+            raise ContractError(
+                f"tier {self.name}: job {job_id} was already submitted and its result "
+                "has not been returned by get_finished() yet"
+            )
+        keys = meta.keys
+        block_ids = meta.block_ids
+        tolist = getattr(block_ids, "tolist", None)
+        rows: list[int] = tolist() if tolist is not None else [int(b) for b in block_ids]
+        if len(rows) != len(keys):
+            raise ContractError(
+                f"tier {self.name}: job {job_id} has {len(keys)} keys but {len(rows)} block_ids"
+            )
+        if rows:
+            if max(rows) >= self._num_rows or min(rows) < 0:
+                bad = next(r for r in rows if not 0 <= r < self._num_rows)
+                raise ContractError(
+                    f"tier {self.name}: job {job_id} names block id {bad}, outside the primary "
+                    f"view's {self._num_rows} rows"
+                )
+            if len(keys) > 1 and len(set(keys)) != len(keys):
+                raise ContractError(f"tier {self.name}: job {job_id} lists a key twice")
+        self._outstanding[job_id] = _Outstanding(is_load, keys)
+        return _Job(meta, rows, is_load, time.monotonic() + self.job_timeout_s)
+
+    def get_finished(self) -> Iterable[JobResult]:
+        """Results of the jobs finished since the last call; never blocks."""
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        results = self._results
+        if not self._ready and results.empty():
+            return _NOTHING
+        finished = list(self._ready)
+        self._ready.clear()
+        for _ in range(results.qsize()):
+            finished.append(results.get_nowait())
+        for result in finished:
+            self._deliver(result)
+        return finished
+
+    def _deliver(self, result: JobResult) -> None:
+        outstanding = self._outstanding.pop(result.job_id, None)
+        if outstanding is None or outstanding.is_load:
+            return
+        storing = self._storing
+        for key in outstanding.keys:
+            count = storing.get(key, 0) - 1
+            if count > 0:
+                storing[key] = count
+            else:
+                storing.pop(key, None)
+
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Block until every submitted job has a result ready for :meth:`get_finished`.
+
+        Raises ``TimeoutError`` naming how many jobs are still running when
+        ``timeout_s`` passes (None: wait; every job has a deadline anyway).
+        """
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(self._ready) < len(self._outstanding):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(self._drain_timeout_message(timeout_s))
+            try:
+                self._ready.append(self._results.get(timeout=remaining))
+            except queue.Empty:
+                raise TimeoutError(self._drain_timeout_message(timeout_s)) from None
+
+    def _drain_timeout_message(self, timeout_s: float | None) -> str:
+        running = len(self._outstanding) - len(self._ready) - self._results.qsize()
+        return f"tier {self.name}: {running} job(s) still running after {timeout_s} s"
+
+    def has_pending_work(self) -> bool:
+        """Whether any submitted job's result has not been returned by ``get_finished`` yet."""
+        return bool(self._outstanding)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Forward a use of these blocks to the tier's eviction policy (in the background)."""
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        if keys and self._service.touch_supported:
+            self._mailbox.post(self._service.touch, tuple(keys))
+
+    def get_num_blocks(self) -> int:
+        """Blocks known to be in the tier (see :attr:`TierStats.blocks_held`)."""
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        return len(self._present)
+
+    def take_events(self) -> Iterable[tuple[list[OffloadKey], bool]]:
+        """``(keys, removed)`` pairs since the last call: stores, evictions, blocks found gone."""
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        events = self._service.events
+        if not events:
+            return ()
+        return [events.popleft() for _ in range(len(events))]
+
+    def stats(self) -> TierStats:
+        """An immutable snapshot of this tier's counters (also after shutdown)."""
+        counters = self._service.counters
+        capacity = getattr(self.tier, "capacity_blocks", None)
+        submitted = self._store_jobs + self._load_jobs
+        finished = counters.jobs_succeeded + counters.jobs_failed
+        return TierStats(
+            name=self.name,
+            tier_type=self.tier_type,
+            blocks_held=len(self._service.present),
+            capacity_blocks=capacity if isinstance(capacity, int) else None,
+            jobs_submitted=submitted,
+            store_jobs_submitted=self._store_jobs,
+            load_jobs_submitted=self._load_jobs,
+            jobs_succeeded=counters.jobs_succeeded,
+            jobs_failed=counters.jobs_failed,
+            jobs_in_flight=max(0, submitted - finished),
+            blocks_stored=counters.blocks_stored,
+            blocks_loaded=counters.blocks_loaded,
+            bytes_stored=counters.bytes_stored,
+            bytes_loaded=counters.bytes_loaded,
+            store_seconds=counters.store_seconds,
+            load_seconds=counters.load_seconds,
+            timeouts=counters.timeouts,
+            corrupt_reads=counters.corrupt_reads,
+            missing_reads=counters.missing_reads,
+            abandoned_jobs=counters.abandoned_jobs,
+            blocks_removed=counters.blocks_removed,
+            events_dropped=counters.events_dropped,
+            closed=self._closed,
+        )
+
+    def shutdown(self) -> None:
+        """Stop accepting jobs, drain or cancel in-flight work, close the tier, join the thread.
+
+        Bounded by ``shutdown_timeout_s``. Idempotent; every other method
+        except :meth:`stats` raises :class:`~tiering.errors.TierClosedError`
+        afterwards. Results not collected before are discarded.
+        """
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+        budget = self.shutdown_timeout_s
+        try:
+            self._thread.call(self._service.aclose, budget * 0.8, timeout=budget)
+        except BaseException:
+            logger.exception("tier %s: shutting down the tier failed", self.name)
+        finally:
+            self._thread.close(max(1.0, budget * 0.2))
+            self._flat.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> AsyncTierManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._outstanding)} jobs outstanding"
+        return f"<AsyncTierManager {self.name!r} ({type(self.tier).__name__}) {state}>"
+
+
+def _geometry(view: memoryview, block_bytes: int | None) -> tuple[memoryview, int, int]:
+    """The primary view as flat writable bytes, its number of rows and the row size."""
+    if not isinstance(view, memoryview):
+        raise TypeError(f"primary_kv_view must be a memoryview, not {type(view).__name__}")
+    if view.readonly:
+        raise ConfigError("primary_kv_view must be writable (loads write into it)")
+    if not view.c_contiguous:
+        raise ConfigError("primary_kv_view must be C-contiguous")
+    flat = view.cast("B") if view.ndim != 1 or view.format != "B" else view[:]
+    if block_bytes is None:
+        if view.ndim < 2 or view.shape is None or view.shape[0] == 0:
+            flat.release()
+            raise ConfigError(
+                "primary_kv_view must be 2-D (num_blocks, block_bytes) or block_bytes given"
+            )
+        rows = view.shape[0]
+        size = view.nbytes // rows
+    else:
+        if block_bytes <= 0 or view.nbytes % block_bytes:
+            flat.release()
+            raise ConfigError(
+                f"block_bytes={block_bytes} does not divide the primary view's {view.nbytes} bytes"
+            )
+        size = block_bytes
+        rows = view.nbytes // block_bytes
+    if size <= 0:
+        flat.release()
+        raise ConfigError("primary_kv_view rows are empty")
+    return flat, rows, size

@@ -1,0 +1,656 @@
+"""The loop-thread side of a secondary tier: jobs, key claims, presence, resolution, events.
+
+Everything here runs on the tier's event-loop thread, and this object is the
+only writer of the state the scheduler thread reads without a lock (the
+*published* state, safe to read under the GIL because each read is one
+atomic operation on a set, dict or deque):
+
+``present``      keys known to be readable in the tier (lookup True)
+``unsettled``    keys whose presence is being checked (lookup None)
+``absent_at``    shared tiers: keys found absent, with when (lookup False for a while)
+``events``       ``(keys, removed)`` pairs waiting for ``take_events``
+``results``      finished ``JobResult`` objects waiting for ``get_finished``
+
+Rules it enforces for every tier:
+
+* at most ``tier.max_concurrency`` block operations at once (a weighted
+  limiter; jobs are split into batch calls of at most that many keys);
+* never two operations on the same key at once: a job *claims* its keys and
+  waits for earlier claims on any of them. A load of a key whose store is in
+  flight therefore waits for the store and then reads it (within the load's
+  own deadline);
+* every job has a deadline; at the deadline its operations are cancelled and
+  it fails. A tier that ignores cancellation gets ``cancel_grace_s`` more,
+  then the job is reported failed anyway (the keys stay claimed until the
+  operation really ends, and an error is logged: the tier broke its contract);
+* a key whose write did not end cleanly (error, cancellation) is *unsettled*:
+  lookups answer None until ``contains`` says what is there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
+from tiering.jobs import JobMetadata, JobResult
+from tiering.keys import OffloadKey
+from tiering.runtime.limiter import BlockLimiter
+from tiering.runtime.stats import TierCounters
+from tiering.tier import AsyncTier, TierContext
+
+logger = logging.getLogger("tiering.runtime")
+
+#: Most keys one resolution (``contains_many``) round covers.
+_RESOLVE_BATCH = 1024
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    """One submitted job while the loop owns it."""
+
+    meta: JobMetadata
+    rows: list[int]
+    is_load: bool
+    deadline: float
+    task: asyncio.Task[None] | None = None
+    timer: asyncio.TimerHandle | None = None
+    expired: bool = False
+    published: bool = False
+    done_keys: int = 0
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What the tier calls of one job did, key by key."""
+
+    ok: list[OffloadKey] = field(default_factory=list)
+    errors: dict[OffloadKey, BaseException] = field(default_factory=dict)
+    in_flight: set[OffloadKey] = field(default_factory=set)
+
+
+class TierService:
+    """Runs one :class:`AsyncTier` on the current event loop for a facade (loop thread only)."""
+
+    def __init__(
+        self,
+        tier: AsyncTier,
+        *,
+        name: str,
+        flat_view: memoryview,
+        block_bytes: int,
+        job_timeout_s: float,
+        cancel_grace_s: float,
+        shared_absent_ttl_s: float,
+        max_events: int,
+    ) -> None:
+        self.tier = tier
+        self.name = name
+        self.shared = bool(tier.shared)
+        self.block_bytes = block_bytes
+        self.job_timeout_s = job_timeout_s
+        self.cancel_grace_s = cancel_grace_s
+        self.shared_absent_ttl_s = shared_absent_ttl_s
+        self.max_events = max_events
+        self.touch_supported = type(tier).touch is not AsyncTier.touch
+        self._flat = flat_view
+        self._max_batch = max(1, int(tier.max_concurrency))
+        self._limiter = BlockLimiter(self._max_batch)
+        # Published (read by the scheduler thread without a lock).
+        self.present: set[OffloadKey] = set()
+        self.unsettled: set[OffloadKey] = set()
+        self.absent_at: dict[OffloadKey, float] = {}
+        self.events: deque[tuple[list[OffloadKey], bool]] = deque()
+        self.results: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self.counters = TierCounters()
+        # Loop-owned.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread_id = 0
+        self._claims: dict[OffloadKey, asyncio.Future[None]] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._to_resolve: dict[OffloadKey, None] = {}
+        self._resolver: asyncio.Task[None] | None = None
+        self._resolve_wakeup: asyncio.Event | None = None
+        self._to_touch: list[OffloadKey] = []
+        self._toucher: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def open(self, context: TierContext) -> None:
+        """Open the tier and seed the presence view from ``list_keys``.
+
+        Cancellation (open deadline): propagates; the facade then closes the tier.
+        """
+        self._loop = asyncio.get_running_loop()
+        self._thread_id = threading.get_ident()
+        self._resolve_wakeup = asyncio.Event()
+        self.tier._bind_removed_sink(self._on_removed)
+        await self.tier.open(context)
+        for count, key in enumerate(await self.tier.list_keys(), 1):
+            self.present.add(key)
+            if count % 65536 == 0:
+                await asyncio.sleep(0)  # a big recovered index must not stall the loop
+        self._resolver = self._loop.create_task(
+            self._resolve_forever(), name=f"{self.name}-resolve"
+        )
+
+    async def close_tier_only(self, timeout_s: float) -> None:
+        """Close the tier after a failed open (bounded). Cancellation: abandons the close."""
+        try:
+            await asyncio.wait_for(self.tier.aclose(), max(0.001, timeout_s))
+        except Exception:
+            logger.exception("tier %s: aclose after a failed open raised", self.name)
+
+    async def aclose(self, budget_s: float) -> None:
+        """Drain in-flight jobs, cancel what is left, stop helpers, close the tier.
+
+        Half of ``budget_s`` goes to letting jobs finish, the rest to
+        cancellation and ``tier.aclose``. Cancellation: stops waiting; the
+        loop thread's own close then cancels what is left.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_s
+        self._closing = True
+        tasks = [job.task for job in self._jobs.values() if job.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=budget_s / 2)
+            for task in pending:
+                task.cancel()
+            if pending:
+                grace = max(0.001, min(self.cancel_grace_s, (deadline - loop.time()) / 2))
+                await asyncio.wait(pending, timeout=grace)
+        # Jobs still running ignored cancellation: report them failed now.
+        for job in list(self._jobs.values()):
+            self._publish(job, self._failure(job, f"cancelled: tier {self.name} shut down"))
+        helpers = [t for t in (self._resolver, self._toucher) if t is not None and not t.done()]
+        for task in helpers:
+            task.cancel()
+        if helpers:
+            await asyncio.wait(helpers, timeout=max(0.001, min(1.0, deadline - loop.time())))
+        try:
+            await asyncio.wait_for(self.tier.aclose(), max(0.001, deadline - loop.time()))
+        except TimeoutError:
+            logger.error("tier %s: aclose did not finish within the shutdown budget", self.name)
+        except Exception:
+            logger.exception("tier %s: aclose raised", self.name)
+
+    # -- entry points from the mailbox (loop thread) ----------------------------------------
+
+    def start_job(self, job: _Job) -> None:
+        """Start a job handed over by the scheduler thread."""
+        loop = self._loop
+        assert loop is not None
+        if self._closing:
+            self._publish(job, self._failure(job, f"cancelled: tier {self.name} shut down"))
+            return
+        self._jobs[job.meta.job_id] = job
+        job.task = loop.create_task(self._run_job(job))
+        job.timer = loop.call_at(job.deadline, self._expire, job)
+
+    def request_resolve(self, key: OffloadKey) -> None:
+        """Find out whether ``key`` is in the (shared) tier; the lookup view gets the answer."""
+        if key in self.present or self._closing:
+            return
+        self.unsettled.add(key)
+        self._to_resolve[key] = None
+        assert self._resolve_wakeup is not None
+        self._resolve_wakeup.set()
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Queue keys for ``tier.touch`` (batched; metadata only, so it takes no claims)."""
+        if self._closing:
+            return
+        self._to_touch.extend(keys)
+        if self._toucher is None or self._toucher.done():
+            assert self._loop is not None
+            self._toucher = self._loop.create_task(self._touch_all(), name=f"{self.name}-touch")
+
+    # -- jobs --------------------------------------------------------------------------------
+
+    async def _run_job(self, job: _Job) -> None:
+        try:
+            if job.is_load:
+                result = await self._load(job)
+            else:
+                result = await self._store(job)
+        except asyncio.CancelledError:
+            if job.expired:
+                if not job.published:  # else _abandon already counted and reported it
+                    self.counters.timeouts += 1
+                result = self._failure(
+                    job,
+                    f"missed its deadline of {self.job_timeout_s:g} s "
+                    f"({job.done_keys} of {len(job.meta.keys)} blocks done)",
+                )
+            else:
+                result = self._failure(job, f"cancelled: tier {self.name} shut down")
+        except Exception as exc:  # a bug in the runtime: still one clean failure
+            logger.exception("tier %s: job %d crashed", self.name, job.meta.job_id)
+            result = self._failure(job, f"internal error: {exc!r}")
+        finally:
+            if job.timer is not None:
+                job.timer.cancel()
+            self._jobs.pop(job.meta.job_id, None)
+        self._publish(job, result)
+
+    def _expire(self, job: _Job) -> None:
+        """The job's deadline: cancel it, and give a stubborn tier ``cancel_grace_s`` more."""
+        if job.task is None or job.task.done():
+            return
+        job.expired = True
+        job.task.cancel()
+        assert self._loop is not None
+        job.timer = self._loop.call_later(self.cancel_grace_s, self._abandon, job)
+
+    def _abandon(self, job: _Job) -> None:
+        if job.task is None or job.task.done() or job.published:
+            return
+        self.counters.timeouts += 1
+        self.counters.abandoned_jobs += 1
+        logger.error(
+            "tier %s: job %d ignored cancellation for %g s after its deadline; reporting it "
+            "failed while the operation still runs (the tier breaks the AsyncTier contract)",
+            self.name,
+            job.meta.job_id,
+            self.cancel_grace_s,
+        )
+        self._publish(
+            job,
+            self._failure(
+                job,
+                f"missed its deadline of {self.job_timeout_s:g} s and the tier ignored "
+                "cancellation",
+            ),
+        )
+
+    async def _claim(self, keys: Sequence[OffloadKey]) -> asyncio.Future[None]:
+        """Wait until no other operation holds any of ``keys``, then hold them all.
+
+        Cancellation: holds nothing.
+        """
+        claims = self._claims
+        while True:
+            held = next((claims[k] for k in keys if k in claims), None)
+            if held is None:
+                break
+            await asyncio.wait((held,))  # never cancels ``held`` if we are cancelled
+        assert self._loop is not None
+        mine: asyncio.Future[None] = self._loop.create_future()
+        for key in keys:
+            claims[key] = mine
+        return mine
+
+    def _release(self, keys: Sequence[OffloadKey], mine: asyncio.Future[None]) -> None:
+        claims = self._claims
+        for key in keys:
+            if claims.get(key) is mine:
+                del claims[key]
+            if key in self.unsettled and not self._closing:
+                self._to_resolve[key] = None
+        if self._to_resolve and self._resolve_wakeup is not None:
+            self._resolve_wakeup.set()
+        mine.set_result(None)
+
+    async def _store(self, job: _Job) -> JobResult:
+        keys = job.meta.keys
+        mine = await self._claim(keys)
+        batch = _Batch()
+        try:
+            present = self.present
+            todo = [i for i, key in enumerate(keys) if key not in present]
+            if todo and self.shared:
+                todo = await self._skip_present(keys, todo)
+            started = time.monotonic()
+            if todo:
+                await self._transfer(job, todo, batch, load=False)
+            elapsed = time.monotonic() - started
+        finally:
+            self._settle_written(batch)  # before releasing: unsettled keys get re-checked
+            self._release(keys, mine)
+        written = batch.ok
+        if written:
+            self._add_event(list(written), removed=False)
+        nbytes = len(written) * self.block_bytes
+        counters = self.counters
+        counters.blocks_stored += len(written)
+        counters.bytes_stored += nbytes
+        counters.store_seconds += elapsed
+        failed = batch.errors
+        ok_keys = frozenset(k for k in keys if k not in failed)
+        if failed:
+            return JobResult(
+                job.meta.job_id,
+                False,
+                successful_keys=ok_keys,
+                transfer_bytes=nbytes,
+                transfer_time=elapsed,
+                error=_describe_errors(failed, len(keys), "stored"),
+            )
+        return JobResult(
+            job.meta.job_id,
+            True,
+            successful_keys=ok_keys,
+            transfer_bytes=nbytes,
+            transfer_time=elapsed,
+        )
+
+    def _settle_written(self, batch: _Batch) -> None:
+        """Publish what a store's writes did: written keys present, the rest unsettled."""
+        for key in batch.ok:
+            self.present.add(key)
+            self.unsettled.discard(key)
+            self.absent_at.pop(key, None)
+        # A write that raised or was cancelled left the block absent or complete;
+        # ``contains`` will tell which.
+        for key in batch.in_flight:
+            self.unsettled.add(key)
+        for key in batch.errors:
+            self.unsettled.add(key)
+        batch.in_flight.clear()
+
+    async def _skip_present(self, keys: Sequence[OffloadKey], todo: list[int]) -> list[int]:
+        """Shared tiers: drop keys another process already stored (errors: write anyway)."""
+        candidates = [keys[i] for i in todo]
+        found: list[bool] = []
+        for start in range(0, len(candidates), self._max_batch):
+            chunk = candidates[start : start + self._max_batch]
+            await self._limiter.acquire(len(chunk))
+            try:
+                found.extend(await self.tier.contains_many(chunk))
+            except Exception:
+                found.extend([False] * len(chunk))
+            finally:
+                self._limiter.release(len(chunk))
+        keep: list[int] = []
+        for i, is_there in zip(todo, found, strict=True):
+            if is_there:
+                self.present.add(keys[i])
+                self.unsettled.discard(keys[i])
+            else:
+                keep.append(i)
+        return keep
+
+    async def _load(self, job: _Job) -> JobResult:
+        keys = job.meta.keys
+        if not self.shared:
+            present, unsettled = self.present, self.unsettled
+            missing = [k for k in keys if k not in present and k not in unsettled]
+            if missing:
+                self.counters.missing_reads += len(missing)
+                return JobResult(
+                    job.meta.job_id,
+                    False,
+                    successful_keys=frozenset(),
+                    error=f"{len(missing)} of {len(keys)} blocks are not in tier {self.name} "
+                    f"(first: {missing[0].hex()})",
+                )
+        mine = await self._claim(keys)
+        batch = _Batch()
+        try:
+            started = time.monotonic()
+            await self._transfer(job, list(range(len(keys))), batch, load=True)
+            elapsed = time.monotonic() - started
+        finally:
+            self._release(keys, mine)
+        loaded = batch.ok
+        if self.shared:
+            for key in loaded:
+                self.present.add(key)
+                self.unsettled.discard(key)
+        nbytes = len(loaded) * self.block_bytes
+        counters = self.counters
+        counters.blocks_loaded += len(loaded)
+        counters.bytes_loaded += nbytes
+        counters.load_seconds += elapsed
+        if batch.errors:
+            self._forget_unreadable(batch.errors)
+            return JobResult(
+                job.meta.job_id,
+                False,
+                successful_keys=frozenset(loaded),
+                transfer_bytes=nbytes,
+                transfer_time=elapsed,
+                error=_describe_errors(batch.errors, len(keys), "loaded"),
+            )
+        return JobResult(
+            job.meta.job_id,
+            True,
+            successful_keys=frozenset(loaded),
+            transfer_bytes=nbytes,
+            transfer_time=elapsed,
+        )
+
+    def _forget_unreadable(self, errors: dict[OffloadKey, BaseException]) -> None:
+        """Blocks that are missing or corrupt are gone for lookups (a miss, never a wrong hit)."""
+        gone: list[OffloadKey] = []
+        now = time.monotonic()
+        for key, exc in errors.items():
+            if isinstance(exc, CorruptBlock):
+                self.counters.corrupt_reads += 1
+            elif isinstance(exc, BlockNotFound):
+                self.counters.missing_reads += 1
+            else:
+                continue
+            if key in self.present:
+                gone.append(key)
+                self.present.discard(key)
+            self.unsettled.discard(key)
+            if self.shared:
+                self.absent_at[key] = now
+        if gone:
+            self.counters.blocks_removed += len(gone)
+            self._add_event(gone, removed=True)
+
+    async def _transfer(self, job: _Job, indices: list[int], batch: _Batch, *, load: bool) -> None:
+        """Move the blocks ``indices`` of ``job`` in batch calls of at most ``max_concurrency``.
+
+        Cancellation: cancels every batch call; ``batch.in_flight`` then holds
+        the keys whose operation was interrupted.
+        """
+        step = self._max_batch
+        if len(indices) <= step:
+            await self._transfer_chunk(job, indices, batch, load)
+            return
+        chunks = [indices[i : i + step] for i in range(0, len(indices), step)]
+        await asyncio.gather(*(self._transfer_chunk(job, c, batch, load) for c in chunks))
+
+    async def _transfer_chunk(
+        self, job: _Job, indices: list[int], batch: _Batch, load: bool
+    ) -> None:
+        """One ``read_many``/``write_many`` call; records outcomes in ``batch``, never raises.
+
+        Cancellation: propagates after recording the interrupted keys.
+        """
+        keys = [job.meta.keys[i] for i in indices]
+        await self._limiter.acquire(len(keys))
+        flat, size = self._flat, self.block_bytes
+        rows = [flat[job.rows[i] * size : (job.rows[i] + 1) * size] for i in indices]
+        batch.in_flight.update(keys)
+        try:
+            if load:
+                await self.tier.read_many(keys, rows)
+            else:
+                await self.tier.write_many(keys, rows)
+        except PartialBatchError as exc:
+            for key in keys:
+                if key in exc.errors:
+                    batch.errors[key] = exc.errors[key]
+                elif key in exc.succeeded:
+                    batch.ok.append(key)
+                else:
+                    batch.errors[key] = RuntimeError("the tier reported no outcome for this key")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            for key in keys:
+                batch.errors[key] = exc
+        else:
+            batch.ok.extend(keys)
+        finally:
+            self._limiter.release(len(keys))
+            for row in rows:
+                _release_view(row)
+        batch.in_flight.difference_update(keys)
+        job.done_keys += len(keys)
+
+    def _failure(self, job: _Job, error: str) -> JobResult:
+        return JobResult(job.meta.job_id, False, successful_keys=frozenset(), error=error)
+
+    def _publish(self, job: _Job, result: JobResult) -> None:
+        """Hand ``result`` to the scheduler thread (once per job) and count it."""
+        if job.published:
+            return
+        job.published = True
+        self.results.put(result)
+        if result.success:
+            self.counters.jobs_succeeded += 1
+        else:
+            self.counters.jobs_failed += 1
+            logger.warning(
+                "tier %s: %s job %d failed: %s",
+                self.name,
+                "load" if job.is_load else "store",
+                job.meta.job_id,
+                result.error,
+            )
+
+    # -- presence resolution, touch, removals ---------------------------------------------
+
+    async def _resolve_forever(self) -> None:
+        """Answer ``contains`` for unsettled keys in batches. Cancellation: stops (shutdown)."""
+        wakeup = self._resolve_wakeup
+        assert wakeup is not None
+        while True:
+            await wakeup.wait()
+            wakeup.clear()
+            while self._to_resolve:
+                await self._resolve_some()
+
+    async def _resolve_some(self) -> None:
+        batch: list[OffloadKey] = []
+        for key in list(self._to_resolve):
+            del self._to_resolve[key]
+            if key in self._claims:
+                continue  # the operation holding it settles it (and re-queues if still unsure)
+            if key not in self.unsettled:
+                continue
+            batch.append(key)
+            if len(batch) == _RESOLVE_BATCH:
+                break
+        if not batch:
+            return
+        assert self._loop is not None
+        mine = self._loop.create_future()
+        for key in batch:
+            self._claims[key] = mine
+        answers: list[bool] | None = None
+        try:
+            answers = await asyncio.wait_for(self._contains_all(batch), self.job_timeout_s)
+        except Exception as exc:
+            logger.warning(
+                "tier %s: checking presence of %d blocks failed (%r); treating them as absent",
+                self.name,
+                len(batch),
+                exc,
+            )
+        finally:
+            self._settle_resolved(batch, answers)
+            for key in batch:
+                if self._claims.get(key) is mine:
+                    del self._claims[key]
+            mine.set_result(None)
+
+    async def _contains_all(self, keys: list[OffloadKey]) -> list[bool]:
+        answers: list[bool] = []
+        for start in range(0, len(keys), self._max_batch):
+            chunk = keys[start : start + self._max_batch]
+            await self._limiter.acquire(len(chunk))
+            try:
+                answers.extend(await self.tier.contains_many(chunk))
+            finally:
+                self._limiter.release(len(chunk))
+        return answers
+
+    def _settle_resolved(self, keys: list[OffloadKey], answers: list[bool] | None) -> None:
+        now = time.monotonic()
+        if self.shared:
+            self._prune_absent(now)
+        for i, key in enumerate(keys):
+            self.unsettled.discard(key)
+            if answers is not None and answers[i]:
+                self.present.add(key)
+                self.absent_at.pop(key, None)
+            else:
+                self.present.discard(key)
+                if self.shared:
+                    self.absent_at.pop(key, None)  # re-insert at the end (pruning order)
+                    self.absent_at[key] = now
+
+    def _prune_absent(self, now: float) -> None:
+        """Drop expired absent answers (oldest first: the dict is in insertion order)."""
+        absent_at = self.absent_at
+        horizon = now - self.shared_absent_ttl_s
+        expired = []
+        for key, when in absent_at.items():
+            if when >= horizon:
+                break
+            expired.append(key)
+        for key in expired:
+            del absent_at[key]
+
+    async def _touch_all(self) -> None:
+        """Forward queued touches in batches. Cancellation: stops (shutdown)."""
+        while self._to_touch:
+            keys, self._to_touch = self._to_touch, []
+            if not self.shared:
+                keys = [k for k in keys if k in self.present]
+            if not keys:
+                continue
+            try:
+                await asyncio.wait_for(self.tier.touch(keys), self.job_timeout_s)
+            except Exception as exc:
+                logger.warning("tier %s: touch of %d blocks failed: %r", self.name, len(keys), exc)
+
+    def _on_removed(self, keys: Sequence[OffloadKey]) -> None:
+        """The tier's ``report_removed``: the blocks are gone for lookups; emit an event."""
+        if threading.get_ident() != self._thread_id and self._loop is not None:
+            # Misplaced call (e.g. from an executor thread): move it to the loop.
+            self._loop.call_soon_threadsafe(self._on_removed, list(keys))
+            return
+        now = time.monotonic()
+        removed = [k for k in keys if k in self.present]
+        for key in keys:
+            self.present.discard(key)
+            if self.shared:
+                self.absent_at[key] = now
+        if removed:
+            self.counters.blocks_removed += len(removed)
+            self._add_event(removed, removed=True)
+
+    def _add_event(self, keys: list[OffloadKey], *, removed: bool) -> None:
+        if len(self.events) >= self.max_events:
+            self.counters.events_dropped += len(keys)
+            return
+        self.events.append((keys, removed))
+
+
+def _describe_errors(errors: dict[OffloadKey, BaseException], total: int, verb: str) -> str:
+    key, exc = next(iter(errors.items()))
+    return (
+        f"{len(errors)} of {total} blocks not {verb}; first: block {key.hex()}: "
+        f"{type(exc).__name__}: {exc}"
+    )
+
+
+def _release_view(view: memoryview) -> None:
+    try:
+        view.release()
+    except BufferError:  # the tier still holds an export of it (e.g. a numpy view)
+        logger.error("a tier kept a buffer of a primary row after its operation returned")

@@ -1,0 +1,75 @@
+"""Statistics of one secondary tier: loop-owned counters and the immutable snapshot users see."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Running totals, mutated only on the tier's loop thread (read anywhere)."""
+
+    jobs_succeeded: int = 0
+    jobs_failed: int = 0
+    blocks_stored: int = 0
+    blocks_loaded: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+    timeouts: int = 0
+    corrupt_reads: int = 0
+    missing_reads: int = 0
+    abandoned_jobs: int = 0
+    blocks_removed: int = 0
+    events_dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """A snapshot of one secondary tier, taken by ``AsyncTierManager.stats()``.
+
+    ``blocks_held`` is what the runtime knows to be in the tier (for a shared
+    tier: the blocks known present from this process). ``capacity_blocks`` is
+    the tier's own ``capacity_blocks`` attribute when it is an int, else None.
+    ``store_seconds``/``load_seconds`` add up each job's transfer time (jobs
+    overlap, so they are not wall time). ``timeouts`` counts jobs that missed
+    their deadline, ``abandoned_jobs`` those whose tier operation then also
+    ignored cancellation, ``corrupt_reads``/``missing_reads`` blocks whose
+    read raised ``CorruptBlock``/``BlockNotFound``, ``blocks_removed`` blocks
+    the tier reported gone (evictions) or found missing or corrupt.
+    """
+
+    name: str
+    tier_type: str
+    blocks_held: int
+    capacity_blocks: int | None
+    jobs_submitted: int
+    store_jobs_submitted: int
+    load_jobs_submitted: int
+    jobs_succeeded: int
+    jobs_failed: int
+    jobs_in_flight: int
+    blocks_stored: int
+    blocks_loaded: int
+    bytes_stored: int
+    bytes_loaded: int
+    store_seconds: float
+    load_seconds: float
+    timeouts: int
+    corrupt_reads: int
+    missing_reads: int
+    abandoned_jobs: int
+    blocks_removed: int
+    events_dropped: int
+    closed: bool
+
+    @property
+    def store_bytes_per_s(self) -> float:
+        """Bytes stored per second of store transfer time (0 before any store)."""
+        return self.bytes_stored / self.store_seconds if self.store_seconds > 0 else 0.0
+
+    @property
+    def load_bytes_per_s(self) -> float:
+        """Bytes loaded per second of load transfer time (0 before any load)."""
+        return self.bytes_loaded / self.load_seconds if self.load_seconds > 0 else 0.0
