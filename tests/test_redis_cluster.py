@@ -1,0 +1,82 @@
+"""The Redis tier on a real 3-node Redis Cluster."""
+# ruff: noqa: F811  (pytest fixtures are imported by name and then requested as parameters)
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.support.redis_server import RedisClusterServers, free_port, redis_cluster  # noqa: F401
+from tests.support.redis_tier import context, new_blocks, new_keys, opened_tier, read_back, views
+from tests.test_redis_tier import count_round_trips
+from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
+from tiers.redis import HEADER_LEN, RedisTier, RedisTierUnavailable
+
+pytestmark = pytest.mark.redis
+
+
+async def test_cluster_round_trip_spreads_blocks_over_every_node(
+    redis_cluster: RedisClusterServers,
+) -> None:
+    async with opened_tier(redis_cluster.url, cluster=True, namespace="spread") as tier:
+        trips = count_round_trips(tier)
+        keys, blocks = new_keys(60), new_blocks(60)
+        await tier.write_many(keys, views(blocks))
+        assert await tier.contains_many([*keys, *new_keys(1)]) == [True] * 60 + [False]
+        out = new_blocks(60)
+        await tier.read_many(keys, views(out))
+        assert out == blocks
+        assert trips == [60, 61, 60], "one pipeline per job (redis-py splits it per node)"
+        per_node = []
+        for node in redis_cluster.nodes:
+            with node.client() as raw:
+                per_node.append(len(raw.keys("spread:*")))
+        assert sum(per_node) == 60
+        assert all(count > 0 for count in per_node), f"blocks per node: {per_node}"
+
+
+async def test_cluster_engines_share_and_see_deletions(redis_cluster: RedisClusterServers) -> None:
+    async with (
+        opened_tier(redis_cluster.url, cluster=True, namespace="two-engines") as engine_a,
+        opened_tier(redis_cluster.url, cluster=True, namespace="two-engines") as engine_b,
+    ):
+        keys, blocks = new_keys(10), new_blocks(10)
+        await engine_a.write_many(keys, views(blocks))
+        out = new_blocks(10)
+        await engine_b.read_many(keys, views(out))
+        assert out == blocks
+        with redis_cluster.client() as raw:
+            raw.delete(engine_a._require_layout().redis_key(keys[3]))
+        assert await engine_b.contains_many(keys[2:5]) == [True, False, True]
+        with pytest.raises(BlockNotFound):
+            await read_back(engine_b, keys[3])
+
+
+async def test_cluster_corrupt_value_is_a_miss(redis_cluster: RedisClusterServers) -> None:
+    async with opened_tier(redis_cluster.url, cluster=True) as tier:
+        keys, blocks = new_keys(3), new_blocks(3)
+        await tier.write_many(keys, views(blocks))
+        name = tier._require_layout().redis_key(keys[0])
+        with redis_cluster.client() as raw:
+            value = raw.get(name)
+            assert value is not None
+            raw.set(name, value[: HEADER_LEN + 10])
+        with pytest.raises(PartialBatchError) as caught:
+            await tier.read_many(keys, views(new_blocks(3)))
+        assert set(caught.value.errors) == {keys[0]}
+        assert isinstance(caught.value.errors[keys[0]], CorruptBlock)
+        assert tier.stats.corrupt_blocks == 1
+
+
+async def test_cluster_down_at_start_fails_clearly() -> None:
+    tier = RedisTier(
+        url=f"redis://127.0.0.1:{free_port()}/0",
+        cluster=True,
+        connect_timeout_s=0.5,
+        op_timeout_s=0.5,
+    )
+    async with asyncio.timeout(20):
+        with pytest.raises(RedisTierUnavailable, match="unreachable"):
+            await tier.open(context())
+    await tier.aclose()
