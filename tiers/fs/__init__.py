@@ -1,0 +1,14 @@
+"""Filesystem secondary tier: slab files, O_DIRECT and io_uring, checksummed and crash-consistent.
+
+Config (``secondary_tiers`` entry)::
+
+    {"type": "fs", "root_dir": "/mnt/nvme/kvcache", "capacity_bytes": "64GiB"}
+
+See docs/fs-tier.md for the format, its guarantees and every option.
+"""
+
+from tiers.fs.config import FsTierConfig
+from tiers.fs.errors import RootInUseError, TierFullError
+from tiers.fs.tier import FileSystemTier, FsTierStats
+
+__all__ = ["FileSystemTier", "FsTierConfig", "FsTierStats", "RootInUseError", "TierFullError"]

@@ -1,0 +1,248 @@
+"""Configuration of the filesystem tier, validated at construction.
+
+Users write it in ``secondary_tiers`` the way vLLM users write its own tier::
+
+    {"type": "fs", "root_dir": "/mnt/nvme/kvcache", "capacity_bytes": "64GiB",
+     "n_read_threads": 8, "n_write_threads": 4, "durability": "periodic"}
+
+Every value is checked here, so a typo fails when the engine starts, not at
+the first store. Sizes accept integers or strings with a unit (``"64GiB"``,
+``"500MB"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tiering.errors import ConfigError
+from tiering.policies import POLICY_NAMES
+from tiers.fs.layout import SLAB_GLOB_PREFIX, existing_slab_bytes
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+IO_BACKENDS = ("auto", "uring", "threads")
+DURABILITY_POLICIES = ("none", "periodic", "fsync")
+LAYOUT_MISMATCH_ACTIONS = ("reset", "error")
+
+#: Default capacity: this much, or half of what the disk can hold, whichever is smaller.
+DEFAULT_CAPACITY_BYTES = 16 * GiB
+DEFAULT_SLAB_BYTES = 1 * GiB
+DEFAULT_MAX_IO_BYTES = 8 * MiB
+
+IoBackendName = Literal["auto", "uring", "threads"]
+Durability = Literal["none", "periodic", "fsync"]
+DirectIo = Literal["auto", "on", "off"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1024 * GiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(name: str, value: object) -> int:
+    """Bytes from an int or a string such as ``"64GiB"``/``"500MB"`` (raises ConfigError)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"fs tier: {name} must be a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    raise ConfigError(
+        f"fs tier: {name} must be a number of bytes or a string like '64GiB' or '500MB', "
+        f"got {value!r}"
+    )
+
+
+def _positive_int(name: str, value: object, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"fs tier: {name} must be a positive integer, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"fs tier: {name} must be at most {maximum}, got {value}")
+    return value
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"fs tier: {name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def _direct_io(value: object) -> DirectIo:
+    if value is True or value == "on":
+        return "on"
+    if value is False or value == "off":
+        return "off"
+    if value is None or value == "auto":
+        return "auto"
+    raise ConfigError(f"fs tier: direct_io must be 'auto', true or false; got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FsTierConfig:
+    """The validated configuration of one filesystem tier (see docs/fs-tier.md).
+
+    ``capacity_bytes`` bounds the bytes of block data on disk (slab files);
+    the index journal and header are small and not counted.
+    """
+
+    root_dir: Path
+    capacity_bytes: int
+    n_read_threads: int = 8
+    n_write_threads: int = 4
+    io_backend: IoBackendName = "auto"
+    direct_io: DirectIo = "auto"
+    durability: Durability = "periodic"
+    sync_interval_s: float = 1.0
+    eviction_policy: str = "lru"
+    slab_bytes: int = DEFAULT_SLAB_BYTES
+    queue_depth: int = 32
+    max_io_bytes: int = DEFAULT_MAX_IO_BYTES
+    on_layout_mismatch: Literal["reset", "error"] = "reset"
+    preallocate: bool = True
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        *,
+        root_dir: str | os.PathLike[str],
+        capacity_bytes: int | str | None = None,
+        n_read_threads: int = 8,
+        n_write_threads: int = 4,
+        io_backend: str = "auto",
+        direct_io: bool | str | None = "auto",
+        durability: str = "periodic",
+        sync_interval_s: float = 1.0,
+        eviction_policy: str = "lru",
+        slab_bytes: int | str = DEFAULT_SLAB_BYTES,
+        queue_depth: int = 32,
+        max_io_bytes: int | str = DEFAULT_MAX_IO_BYTES,
+        on_layout_mismatch: str = "reset",
+        preallocate: bool = True,
+        create_root_dir: bool = True,
+    ) -> FsTierConfig:
+        """Validate user keywords; creates ``root_dir`` when allowed. Raises ConfigError."""
+        root = _check_root_dir(root_dir, create_root_dir)
+        n_read = _positive_int("n_read_threads", n_read_threads, 256)
+        n_write = _positive_int("n_write_threads", n_write_threads, 256)
+        backend = _choice("io_backend", io_backend, IO_BACKENDS)
+        durable = _choice("durability", durability, DURABILITY_POLICIES)
+        if (
+            isinstance(sync_interval_s, bool)
+            or not isinstance(sync_interval_s, (int, float))
+            or not 0 < sync_interval_s <= 3600
+        ):
+            raise ConfigError(
+                f"fs tier: sync_interval_s must be a number of seconds in (0, 3600], "
+                f"got {sync_interval_s!r}"
+            )
+        if eviction_policy not in POLICY_NAMES:
+            raise ConfigError(
+                f"fs tier: eviction_policy must be one of {', '.join(POLICY_NAMES)}; "
+                f"got {eviction_policy!r}"
+            )
+        slab = parse_size("slab_bytes", slab_bytes)
+        if slab < 4 * KiB:
+            raise ConfigError(f"fs tier: slab_bytes must be at least 4KiB, got {slab}")
+        depth = _positive_int("queue_depth", queue_depth, 4096)
+        max_io = parse_size("max_io_bytes", max_io_bytes)
+        if max_io < 4 * KiB:
+            raise ConfigError(f"fs tier: max_io_bytes must be at least 4KiB, got {max_io}")
+        mismatch = _choice("on_layout_mismatch", on_layout_mismatch, LAYOUT_MISMATCH_ACTIONS)
+        if not isinstance(preallocate, bool):
+            raise ConfigError(f"fs tier: preallocate must be true or false, got {preallocate!r}")
+        capacity = _check_capacity(root, capacity_bytes)
+        return cls(
+            root_dir=root,
+            capacity_bytes=capacity,
+            n_read_threads=n_read,
+            n_write_threads=n_write,
+            io_backend=backend,  # type: ignore[arg-type]
+            direct_io=_direct_io(direct_io),
+            durability=durable,  # type: ignore[arg-type]
+            sync_interval_s=float(sync_interval_s),
+            eviction_policy=eviction_policy,
+            slab_bytes=slab,
+            queue_depth=depth,
+            max_io_bytes=max_io,
+            on_layout_mismatch=mismatch,  # type: ignore[arg-type]
+            preallocate=preallocate,
+        )
+
+
+def _check_root_dir(root_dir: object, create: bool) -> Path:
+    if not isinstance(root_dir, (str, os.PathLike)) or not os.fspath(root_dir):
+        raise ConfigError(f"fs tier: root_dir must be a directory path, got {root_dir!r}")
+    root = Path(os.fspath(root_dir)).expanduser().absolute()
+    if not root.exists():
+        if not create:
+            raise ConfigError(f"fs tier: root_dir {str(root)!r} does not exist")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"fs tier: root_dir {str(root)!r} does not exist and cannot be created: "
+                f"{exc.strerror or exc}"
+            ) from exc
+    if not root.is_dir():
+        raise ConfigError(f"fs tier: root_dir {str(root)!r} is not a directory")
+    # os.access is not enough (root bypasses mode bits, read-only mounts): try it.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
+    except OSError as exc:
+        raise ConfigError(
+            f"fs tier: root_dir {str(root)!r} is not writable: {exc.strerror or exc}"
+        ) from exc
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return root
+
+
+def _check_capacity(root: Path, capacity_bytes: int | str | None) -> int:
+    usage = shutil.disk_usage(root)
+    # Slab files already here count as room: they are reused, not added to.
+    holdable = usage.free + existing_slab_bytes(root)
+    if capacity_bytes is None:
+        capacity = min(DEFAULT_CAPACITY_BYTES, holdable // 2)
+        if capacity < 64 * MiB:
+            raise ConfigError(
+                f"fs tier: the filesystem of root_dir {str(root)!r} has only "
+                f"{usage.free / MiB:.0f} MiB free; set capacity_bytes explicitly"
+            )
+        return capacity
+    capacity = parse_size("capacity_bytes", capacity_bytes)
+    if capacity < 4 * KiB:
+        raise ConfigError(f"fs tier: capacity_bytes must be at least 4KiB, got {capacity}")
+    if capacity > holdable:
+        raise ConfigError(
+            f"fs tier: capacity_bytes={capacity} ({capacity / GiB:.2f} GiB) but the filesystem "
+            f"of root_dir {str(root)!r} can hold only {holdable / GiB:.2f} GiB "
+            f"({usage.free / GiB:.2f} GiB free + {SLAB_GLOB_PREFIX}* files already there)"
+        )
+    return capacity

@@ -1,0 +1,336 @@
+"""The index journal at run time: group commit, durability, compaction, recovery.
+
+Records (see :mod:`tiers.fs.records`) are appended in memory and written by
+one flusher task, in order, so the file is always a valid prefix followed by
+at most one torn record. A caller waits for its record's sequence number to
+be *durable*: written to the file (a process crash keeps it) and, under the
+``fsync`` policy, fdatasync'ed after the data it describes.
+
+Callbacks attached to a record run on the loop as soon as it is durable and
+before any later snapshot is taken: that is where a PUT makes its block
+visible, so a block is visible only once its record is in the journal and a
+compaction never misses a visible block.
+
+When the file grows past a threshold it is compacted: the visible entries are
+written to a new journal, which atomically replaces the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from tiers.fs.io import IoBackend, IoOp, OpKind, Priority
+from tiers.fs.layout import JOURNAL_NAME, Header, fsync_dir
+from tiers.fs.records import (
+    HEADER_BYTES,
+    ReplayResult,
+    decode_header,
+    encode_header,
+    encode_put,
+    replay,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Compact once the file is this much larger than its live records (and at least MIN).
+COMPACT_FACTOR = 4
+COMPACT_MIN_BYTES = 8 * 1024 * 1024
+#: A rough size of one PUT record (36-byte keys), for the compaction threshold.
+RECORD_ESTIMATE = 70
+
+
+class JournalWriteError(OSError):
+    """Writing the journal failed; the records are retried with the next flush."""
+
+
+def recover(root: Path, header: Header) -> tuple[ReplayResult, str | None]:
+    """Replay ``root``'s journal. Returns the result and why it stopped early, if it did.
+
+    A missing journal or one that belongs to another cache yields no entries.
+    Blocking: call it in a worker thread.
+    """
+    path = root / JOURNAL_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return ReplayResult({}, 0, 0), None
+    cache_id = bytes.fromhex(header.cache_id)
+    problem = decode_header(data, cache_id)
+    if problem is not None:
+        return ReplayResult({}, 0, 0), problem
+    result = replay(memoryview(data)[HEADER_BYTES:], header.journal_seed)
+    tail = len(data) - HEADER_BYTES - result.valid_bytes
+    note = f"dropped a damaged or torn tail of {tail} bytes" if tail else None
+    return result, note
+
+
+def write_snapshot(root: Path, header: Header, entries: list[tuple[bytes, int, int]]) -> int:
+    """Atomically replace the journal with PUT records of ``entries``; returns its size.
+
+    Blocking: call it in a worker thread.
+    """
+    seed = header.journal_seed
+    payload = b"".join(
+        [encode_header(bytes.fromhex(header.cache_id))]
+        + [encode_put(key, slot, checksum, seed) for key, slot, checksum in entries]
+    )
+    tmp = root / f".{JOURNAL_NAME}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, root / JOURNAL_NAME)
+    fsync_dir(root)
+    return len(payload)
+
+
+def open_for_append(root: Path) -> int:
+    return os.open(root / JOURNAL_NAME, os.O_WRONLY | os.O_CLOEXEC)
+
+
+class JournalWriter:
+    """Appends records with group commit; owned by the tier, driven by :meth:`run`.
+
+    ``sync_each_flush`` (the ``fsync`` policy) fdatasyncs the journal after
+    each write, and ``before_flush`` (fdatasync of the slab data) runs before
+    it so a record never becomes durable ahead of its data.
+    ``snapshot`` returns the visible entries for compaction and ``live_count``
+    how many there are.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        header: Header,
+        fd: int,
+        end_offset: int,
+        backend: IoBackend,
+        *,
+        sync_each_flush: bool,
+        before_flush: Callable[[], Awaitable[None]] | None,
+        snapshot: Callable[[], list[tuple[bytes, int, int]]],
+        live_count: Callable[[], int],
+    ) -> None:
+        self.seed = header.journal_seed
+        self._root = root
+        self._header = header
+        self._fd = fd
+        self._offset = end_offset
+        self._backend = backend
+        self._sync_each_flush = sync_each_flush
+        self._before_flush = before_flush
+        self._snapshot = snapshot
+        self._live_count = live_count
+        self._retry_compaction_at = 0
+        self._pending: list[bytes] = []
+        self._callbacks: list[tuple[Callable[[], None] | None, Callable[[], None] | None]] = []
+        self._appended_seq = 0
+        self._durable_seq = 0
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._tiebreak = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._sync_requested = False
+        self._closing = False
+        self._failure: OSError | None = None
+        self._broken: BaseException | None = None
+        self.compactions = 0
+
+    @property
+    def durable_seq(self) -> int:
+        return self._durable_seq
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next :meth:`append` will return."""
+        return self._appended_seq + 1
+
+    @property
+    def size(self) -> int:
+        return self._offset
+
+    def append(
+        self,
+        payload: bytes,
+        on_durable: Callable[[], None] | None = None,
+        on_failed: Callable[[], None] | None = None,
+    ) -> int:
+        """Queue encoded records; returns their sequence number. Never blocks.
+
+        ``on_durable`` runs on the loop once they are durable; ``on_failed``
+        instead if their write fails (the records are still retried later, so
+        they may reach the file after all: replay tolerates that).
+        """
+        if self._closing or self._broken is not None:
+            raise RuntimeError(f"journal is closed{f': {self._broken}' if self._broken else ''}")
+        self._appended_seq += 1
+        if payload:
+            self._pending.append(payload)
+        if on_durable is not None or on_failed is not None:
+            self._callbacks.append((on_durable, on_failed))
+        self._wakeup.set()
+        return self._appended_seq
+
+    async def wait_durable(self, seq: int) -> None:
+        """Return once records ``<= seq`` are durable; raises the flush's OSError if it failed.
+
+        Cancellation: only the wait is abandoned; the records are still written.
+        """
+        if seq <= self._durable_seq:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (seq, next(self._tiebreak), future))
+        self._wakeup.set()
+        await future
+
+    def request_sync(self) -> None:
+        """Ask the flusher to fdatasync the journal at its next turn (periodic policy)."""
+        self._sync_requested = True
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        """The flusher: write pending records in order until :meth:`close`.
+
+        Cancellation: stops at once; records not yet written are lost (they
+        were never acknowledged as durable), the file stays a valid prefix.
+        """
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                if self._pending or self._appended_seq > self._durable_seq:
+                    await self._flush_once()
+                if self._sync_requested:
+                    self._sync_requested = False
+                    await self._sync_journal_quietly()
+                if self._failure is None and self._offset > self._compact_threshold():
+                    await self._compact()
+                if self._closing and (not self._pending or self._failure is not None):
+                    return
+        except Exception as exc:  # a bug: fail every waiter rather than hang them
+            logger.exception("fs tier: journal flusher failed")
+            self._broken = exc
+            self._fail_waiters(self._appended_seq, exc)
+            raise
+
+    async def close(self, flusher: asyncio.Task[None] | None, sync: bool) -> None:
+        """Write what is pending, fdatasync if ``sync``, stop the flusher, close the fd.
+
+        Cancellation: the fd is closed anyway; unwritten records are dropped.
+        """
+        self._closing = True
+        self._wakeup.set()
+        try:
+            if flusher is not None and not flusher.done():
+                with contextlib.suppress(Exception):
+                    await flusher
+            if sync and self._broken is None:
+                await self._sync_journal_quietly()
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            for _, _, future in self._waiters:
+                if not future.done():
+                    future.set_exception(RuntimeError("journal closed before the flush"))
+            self._waiters.clear()
+
+    # -- internals ----------------------------------------------------------------------
+
+    async def _flush_once(self) -> None:
+        payload = b"".join(self._pending)
+        self._pending = []
+        callbacks, self._callbacks = self._callbacks, []
+        upto = self._appended_seq
+        try:
+            if self._before_flush is not None:
+                await self._before_flush()
+            if payload:
+                op = IoOp(OpKind.WRITE, self._fd, self._offset, [memoryview(payload)])
+                op.priority = Priority.URGENT
+                await self._backend.run([op])
+                if not op.ok:
+                    raise JournalWriteError(
+                        getattr(op.error, "errno", None) or 5,
+                        f"journal write failed at offset {self._offset}: "
+                        f"{op.error or 'short write'}",
+                    )
+            if self._sync_each_flush:
+                await self._fsync_journal()
+        except OSError as exc:
+            # Retry these records with the next flush; their waiters fail now.
+            self._pending.insert(0, payload)
+            self._failure = exc
+            logger.error("fs tier: %s", exc)
+            for _, on_failed in callbacks:
+                if on_failed is not None:
+                    on_failed()
+            self._fail_waiters(upto, exc)
+            return
+        self._offset += len(payload)
+        self._durable_seq = upto
+        self._failure = None
+        for on_durable, _ in callbacks:
+            if on_durable is not None:
+                on_durable()
+        self._wake_waiters()
+
+    async def _fsync_journal(self) -> None:
+        op = IoOp(OpKind.FSYNC, self._fd)
+        await self._backend.run([op])
+        if op.error is not None:
+            raise JournalWriteError(
+                getattr(op.error, "errno", None) or 5, f"journal fdatasync failed: {op.error}"
+            )
+
+    async def _sync_journal_quietly(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            await self._fsync_journal()
+        except OSError as exc:
+            logger.error("fs tier: %s", exc)
+
+    def _wake_waiters(self) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= self._durable_seq:
+            _, _, future = heapq.heappop(waiters)
+            if not future.done():
+                future.set_result(None)
+
+    def _fail_waiters(self, upto: int, exc: BaseException) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= upto:
+            _, _, future = heapq.heappop(waiters)
+            if not future.done():
+                future.set_exception(exc)
+
+    def _compact_threshold(self) -> int:
+        live_bytes = self._live_count() * RECORD_ESTIMATE
+        return max(COMPACT_MIN_BYTES, COMPACT_FACTOR * live_bytes, self._retry_compaction_at)
+
+    async def _compact(self) -> None:
+        entries = self._snapshot()
+        try:
+            size = await asyncio.to_thread(write_snapshot, self._root, self._header, entries)
+            new_fd = open_for_append(self._root)
+        except OSError as exc:
+            self._retry_compaction_at = 2 * self._offset
+            logger.error("fs tier: journal compaction failed (will retry later): %s", exc)
+            return
+        self._retry_compaction_at = 0
+        old_fd, self._fd, self._offset = self._fd, new_fd, size
+        with contextlib.suppress(OSError):
+            os.close(old_fd)
+        self.compactions += 1
+        logger.debug("fs tier: compacted the journal to %d entries (%d bytes)", len(entries), size)

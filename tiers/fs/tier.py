@@ -1,0 +1,774 @@
+"""``FileSystemTier``: KV blocks in preallocated slab files, checksummed, crash-consistent.
+
+A write reserves slots (evicting if full), writes the bytes (O_DIRECT from the
+caller's buffer where aligned), then appends a PUT record (key, slot,
+xxh3_128 of the bytes) to the index journal; the block becomes visible only
+once that record is durable. A read verifies the checksum of every block; a
+mismatch, short read or I/O error fails the read and drops the entry. After
+a restart, even after ``kill -9`` in the middle of writes, the journal gives
+back every block whose write completed (see docs/fs-tier.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, cast
+
+import xxhash
+
+from tiering.errors import (
+    BlockNotFound,
+    ConfigError,
+    CorruptBlock,
+    PartialBatchError,
+    TierClosedError,
+)
+from tiering.keys import OffloadKey
+from tiering.policies import EvictionPolicy, make_policy
+from tiering.tier import AsyncTier, TierContext
+from tiers.fs.config import FsTierConfig
+from tiers.fs.errors import RootInUseError, TierFullError
+from tiers.fs.index import Entry, SlotIndex
+from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
+from tiers.fs.io.aligned import BouncePool, is_aligned
+from tiers.fs.journal import JournalWriter, open_for_append, recover, write_snapshot
+from tiers.fs.layout import (
+    HEADER_NAME,
+    JOURNAL_NAME,
+    LOCK_NAME,
+    Geometry,
+    Header,
+    parse_slab_name,
+    read_header,
+    write_header,
+)
+from tiers.fs.records import encode_del, encode_put
+from tiers.fs.slabs import SlabFiles
+
+logger = logging.getLogger(__name__)
+
+_checksum = xxhash.xxh3_128_intdigest
+#: Most buffers in one vectored op (Linux's IOV_MAX).
+_IOV_MAX = 1024
+#: Hash this many bytes on the loop between yields, so completions keep flowing.
+_HASH_SLICE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class FsTierStats:
+    """Counters of one tier since it was opened (read on the tier's loop thread)."""
+
+    blocks_read: int = 0
+    blocks_written: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_failures: int = 0
+    write_failures: int = 0
+    corrupt_blocks: int = 0
+    evictions: int = 0
+    recovered_blocks: int = 0
+    dropped_on_recovery: int = 0
+    io_backend: str = ""
+    direct_io: bool = False
+    capacity_slots: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class _Block:
+    """One block of a batch on its way through planning, I/O and settling."""
+
+    __slots__ = ("bounce", "checksum", "entry", "error", "key", "slot", "view")
+
+    def __init__(self, key: OffloadKey, view: memoryview, slot: int, entry: Entry | None) -> None:
+        self.key = key
+        self.view = view
+        self.slot = slot
+        self.entry = entry
+        self.bounce: memoryview | None = None
+        self.checksum = 0
+        self.error: BaseException | None = None
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """What opening the root directory produced (in a worker thread)."""
+
+    lock_fd: int
+    header: Header
+    geometry: Geometry
+    slabs: SlabFiles
+    entries: dict[bytes, tuple[int, int]]
+    journal_fd: int
+    journal_size: int
+    dropped: int
+    notes: list[str]
+
+    def close(self) -> None:
+        self.slabs.close()
+        for fd in (self.journal_fd, self.lock_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@dataclass(slots=True)
+class _Open:
+    """Everything that exists while the tier is open (owned by its loop thread)."""
+
+    prepared: _Prepared
+    geometry: Geometry
+    slabs: SlabFiles
+    index: SlotIndex
+    backend: IoBackend
+    journal: JournalWriter
+    bounce: BouncePool
+    seed: int
+    pad: bytes
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class FileSystemTier(AsyncTier):
+    """A bounded, persistent secondary tier on a local filesystem.
+
+    Keyword arguments are the tier's config keys (see :class:`FsTierConfig`
+    and docs/fs-tier.md); every value is checked here, at construction.
+    """
+
+    shared = False
+
+    def __init__(self, **config: Any) -> None:
+        self.config = FsTierConfig.from_kwargs(**config)
+        if self.config.io_backend == "uring":
+            from tiers.fs.io import uring_unavailable_reason
+
+            reason = uring_unavailable_reason()
+            if reason is not None:
+                raise ConfigError(f"fs tier: io_backend='uring' is not available here: {reason}")
+        self.max_concurrency = self.config.queue_depth
+        self.stats = FsTierStats()
+        self._open_state: _Open | None = None
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def open(self, context: TierContext) -> None:
+        """Lock ``root_dir``, check its header, replay the journal, open the slab files.
+
+        A cache written for another block size or layout fingerprint is reset
+        (or refused, with ``on_layout_mismatch="error"``). Cancellation: what
+        was opened is closed again before the cancellation propagates.
+        """
+        if self._open_state is not None or self._closed:
+            raise RuntimeError("FileSystemTier.open may be called only once")
+        await super().open(context)
+        if context.block_bytes <= 0:
+            raise ConfigError(f"fs tier: block_bytes must be positive, got {context.block_bytes}")
+        cfg = self.config
+        geometry = Geometry.plan(context.block_bytes, cfg.capacity_bytes, cfg.slab_bytes)
+        if geometry.capacity_slots < 1:
+            raise ConfigError(
+                f"fs tier: capacity_bytes={cfg.capacity_bytes} cannot hold one block of "
+                f"{context.block_bytes} bytes ({geometry.slot_bytes} bytes on disk)"
+            )
+        job = asyncio.ensure_future(
+            asyncio.to_thread(_prepare_root, cfg, geometry, context.layout_fingerprint)
+        )
+        try:
+            prepared = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_close_prepared_when_done)
+            raise
+        try:
+            self._open_state = self._start(prepared)
+        except BaseException:
+            prepared.close()
+            raise
+        stats = self.stats
+        stats.recovered_blocks = len(prepared.entries)
+        stats.dropped_on_recovery = prepared.dropped
+        stats.notes = prepared.notes
+        stats.io_backend = self._open_state.backend.name
+        stats.direct_io = prepared.slabs.direct
+        stats.capacity_slots = prepared.geometry.capacity_slots
+        logger.info(
+            "fs tier %s: %s, %d slots of %d bytes, %d blocks recovered, backend=%s, direct_io=%s",
+            context.name,
+            cfg.root_dir,
+            prepared.geometry.capacity_slots,
+            prepared.geometry.slot_bytes,
+            len(prepared.entries),
+            stats.io_backend,
+            stats.direct_io,
+        )
+
+    def _start(self, prepared: _Prepared) -> _Open:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        geometry = prepared.geometry
+        policy = cast(
+            "EvictionPolicy[OffloadKey]", make_policy(cfg.eviction_policy, geometry.capacity_slots)
+        )
+        index = SlotIndex.restore(geometry.capacity_slots, policy, prepared.entries)
+        backend = make_backend(
+            cfg.io_backend,
+            loop,
+            queue_depth=cfg.queue_depth,
+            n_read_threads=cfg.n_read_threads,
+            n_write_threads=cfg.n_write_threads,
+        )
+        state: _Open | None = None
+
+        async def sync_data_strict() -> None:
+            assert state is not None
+            await self._sync_data(state, strict=True)
+
+        journal = JournalWriter(
+            cfg.root_dir,
+            prepared.header,
+            prepared.journal_fd,
+            prepared.journal_size,
+            backend,
+            sync_each_flush=cfg.durability == "fsync",
+            before_flush=sync_data_strict if cfg.durability == "fsync" else None,
+            snapshot=lambda: [(k, e.slot, e.checksum) for k, e in index.items()],
+            live_count=index.__len__,
+        )
+        state = _Open(
+            prepared=prepared,
+            geometry=geometry,
+            slabs=prepared.slabs,
+            index=index,
+            backend=backend,
+            journal=journal,
+            bounce=BouncePool(geometry.slot_bytes, keep=cfg.queue_depth),
+            seed=journal.seed,
+            pad=bytes(geometry.slot_bytes - geometry.block_bytes),
+        )
+        state.tasks.append(loop.create_task(journal.run(), name=f"fs-tier-journal-{id(self)}"))
+        if cfg.durability == "periodic":
+            state.tasks.append(
+                loop.create_task(self._periodic_sync(state), name=f"fs-tier-sync-{id(self)}")
+            )
+        return state
+
+    async def aclose(self) -> None:
+        """Flush the journal (fdatasync unless durability is "none"), stop tasks, close files.
+
+        Idempotent. Cancellation: files, threads and the root lock are still
+        released; records not yet written are dropped (never acknowledged).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        state, self._open_state = self._open_state, None
+        if state is None:
+            return
+        durable = self.config.durability != "none"
+        try:
+            for task in state.tasks[1:]:
+                task.cancel()
+            for task in state.tasks[1:]:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if durable:
+                await self._sync_data(state, strict=False)
+            await state.journal.close(state.tasks[0], sync=durable)
+        finally:
+            try:
+                await state.backend.aclose()
+            finally:
+                state.bounce.close()
+                state.prepared.close()
+
+    def _state(self) -> _Open:
+        state = self._open_state
+        if state is None:
+            if self._closed:
+                raise TierClosedError("fs tier is closed")
+            raise RuntimeError("fs tier is not open yet")
+        return state
+
+    # -- lookups ------------------------------------------------------------------------
+
+    async def contains(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s block is visible. Cancellation: no side effects."""
+        return key in self._state().index
+
+    async def contains_many(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """``contains`` for each key, from the in-memory index. Cancellation: no side effects."""
+        index = self._state().index
+        return [key in index for key in keys]
+
+    async def list_keys(self) -> Iterable[OffloadKey]:
+        """Every visible key (after :meth:`open`: the blocks recovered from disk)."""
+        return self._state().index.keys()
+
+    async def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark blocks recently used for eviction. Cancellation: no side effects."""
+        index = self._state().index
+        for key in keys:
+            index.access(key)
+
+    def num_blocks(self) -> int:
+        """Number of visible blocks (loop thread)."""
+        state = self._open_state
+        return len(state.index) if state is not None else 0
+
+    # -- delete -------------------------------------------------------------------------
+
+    async def delete(self, key: OffloadKey) -> None:
+        """Drop ``key``'s block (no error if absent); waits for its DEL record.
+
+        Cancellation: the block is already gone from lookups; the record is
+        still written.
+        """
+        state = self._state()
+        if key not in state.index:
+            return
+        seq = state.journal.next_seq
+        state.index.remove(key, seq)
+        state.journal.append(encode_del(key, state.seed))
+        await state.journal.wait_durable(seq)
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def read(self, key: OffloadKey, into: memoryview) -> None:
+        """Copy ``key``'s verified block into ``into``.
+
+        Raises BlockNotFound, CorruptBlock (checksum or short read; the entry
+        is dropped) or OSError (the entry is dropped). Cancellation: waits for
+        I/O already in the kernel (it writes into ``into``), then propagates;
+        ``into`` may be partly written.
+        """
+        errors = await self._read_blocks([key], [into])
+        if errors:
+            raise errors[key]
+
+    async def read_many(self, keys: Sequence[OffloadKey], into: Sequence[memoryview]) -> None:
+        """Read several blocks with vectored I/O (adjacent slots make one op).
+
+        Raises PartialBatchError naming the keys that failed. Cancellation: as
+        for :meth:`read`.
+        """
+        errors = await self._read_blocks(keys, into)
+        if errors:
+            raise PartialBatchError([k for k in keys if k not in errors], errors)
+
+    async def _read_blocks(
+        self, keys: Sequence[OffloadKey], views: Sequence[memoryview]
+    ) -> dict[bytes, BaseException]:
+        state = self._state()
+        if len(keys) != len(views):
+            raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
+        block_views = [self._block_view(v, writable=True) for v in views]
+        errors: dict[bytes, BaseException] = {}
+        blocks: list[_Block] = []
+        index = state.index
+        for key, view in zip(keys, block_views, strict=True):
+            entry = index.pin(key)
+            if entry is None:
+                errors[key] = BlockNotFound(key)
+            else:
+                blocks.append(_Block(key, view, entry.slot, entry))
+        if not blocks:
+            return errors
+        try:
+            plan = self._plan(state, blocks, OpKind.READ)
+            await state.backend.run([op for op, _ in plan])
+            for op, group in plan:
+                self._settle_read(state, op, group)
+        finally:
+            for block in blocks:
+                index.unpin(block.slot)
+                if block.bounce is not None:
+                    state.bounce.give(block.bounce)
+                    block.bounce = None
+        stats = self.stats
+        block_bytes = state.geometry.block_bytes
+        for block in blocks:
+            if block.error is None:
+                index.access(block.key)
+                stats.blocks_read += 1
+                stats.bytes_read += block_bytes
+            else:
+                errors[block.key] = block.error
+                stats.read_failures += 1
+                assert block.entry is not None
+                self._drop(state, block.key, block.entry, block.error)
+        return errors
+
+    def _settle_read(self, state: _Open, op: IoOp, group: list[_Block]) -> None:
+        block_bytes = state.geometry.block_bytes
+        io_len = op.nbytes // len(group)
+        for i, block in enumerate(group):
+            if op.done < (i + 1) * io_len:
+                if op.error is not None:
+                    block.error = op.error
+                else:
+                    got = max(0, op.done - i * io_len)
+                    block.error = CorruptBlock(block.key, f"short read: {got} of {io_len} bytes")
+                continue
+            if block.bounce is not None:
+                block.view[:] = block.bounce[:block_bytes]
+            assert block.entry is not None
+            if _checksum(block.view) != block.entry.checksum:
+                block.error = CorruptBlock(block.key, "checksum mismatch")
+
+    def _drop(self, state: _Open, key: OffloadKey, entry: Entry, why: BaseException) -> None:
+        """Forget a block that failed to read, so it is a miss from now on."""
+        if state.index.get(key) is not entry:
+            return
+        if isinstance(why, CorruptBlock):
+            self.stats.corrupt_blocks += 1
+        seq = state.journal.next_seq
+        state.index.remove(key, seq)
+        with contextlib.suppress(RuntimeError):  # closing: the entry is gone from memory anyway
+            state.journal.append(encode_del(key, state.seed))
+        self.report_removed([key])
+        logger.warning("fs tier %s: dropped block %s: %s", self.context.name, key.hex(), why)
+
+    # -- writes -------------------------------------------------------------------------
+
+    async def write(self, key: OffloadKey, data: memoryview) -> None:
+        """Store ``data`` as ``key``'s block (replacing any previous one), evicting if full.
+
+        Returns once the block is visible (its data written and its index
+        record durable per the durability policy). Raises TierFullError or
+        OSError. Cancellation: waits for I/O already in the kernel, then
+        propagates; the block is then either absent or complete.
+        """
+        errors = await self._write_blocks([key], [data])
+        if errors:
+            raise errors[key]
+
+    async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
+        """Store several blocks: adjacent slots, vectored writes, one journal commit.
+
+        Raises PartialBatchError naming the keys that failed. Cancellation: as
+        for :meth:`write`, per block.
+        """
+        errors = await self._write_blocks(keys, data)
+        if errors:
+            raise PartialBatchError([k for k in keys if k not in errors], errors)
+
+    async def _write_blocks(
+        self, keys: Sequence[OffloadKey], datas: Sequence[memoryview]
+    ) -> dict[bytes, BaseException]:
+        state = self._state()
+        if len(keys) != len(datas):
+            raise ValueError(f"{len(keys)} keys but {len(datas)} buffers")
+        if len(set(keys)) != len(keys):
+            raise ValueError("a write batch names the same key twice")
+        views = [self._block_view(d, writable=False) for d in datas]
+        index, journal = state.index, state.journal
+        errors: dict[bytes, BaseException] = {}
+        reservation = index.reserve(len(keys), journal.durable_seq, journal.next_seq)
+        if reservation.evicted:
+            journal.append(b"".join(encode_del(k, state.seed) for k, _ in reservation.evicted))
+            self.stats.evictions += len(reservation.evicted)
+            self.report_removed([k for k, _ in reservation.evicted])
+        blocks = [
+            _Block(key, view, slot, None)
+            for key, view, slot in zip(keys, views, reservation.slots, strict=False)
+        ]
+        for key in keys[len(blocks) :]:
+            errors[key] = TierFullError(key, index.capacity_slots)
+        owned = {block.slot for block in blocks}  # released in `finally` unless handed on
+        try:
+            if blocks:
+                await self._write_reserved(state, blocks, reservation.ready_seq, owned)
+        finally:
+            if owned:
+                index.release(owned)
+            for block in blocks:
+                if block.bounce is not None:
+                    state.bounce.give(block.bounce)
+                    block.bounce = None
+        for block in blocks:
+            if block.error is not None:
+                errors[block.key] = block.error
+        self.stats.write_failures += len(errors)
+        return errors
+
+    async def _write_reserved(
+        self, state: _Open, blocks: list[_Block], ready_seq: int, owned: set[int]
+    ) -> None:
+        journal = state.journal
+        await self._back_slots(state, blocks)
+        live = [b for b in blocks if b.error is None]
+        if not live:
+            return
+        if ready_seq > journal.durable_seq:
+            try:
+                await journal.wait_durable(ready_seq)
+            except OSError as exc:
+                for block in live:
+                    block.error = exc
+                return
+        plan = self._plan(state, live, OpKind.WRITE)
+        ops = [op for op, _ in plan]
+        batch = state.backend.start(ops)
+        try:
+            await _checksum_blocks(live)
+        except asyncio.CancelledError:
+            await state.backend.abandon(batch, ops)
+            raise
+        await state.backend.wait(batch, ops)
+        for op, group in plan:
+            io_len = op.nbytes // len(group)
+            for i, block in enumerate(group):
+                if op.done < (i + 1) * io_len:
+                    block.error = op.error or OSError(errno.EIO, "short write")
+            state.slabs.mark_dirty(state.geometry.slab_of(group[0].slot))
+        good = [b for b in live if b.error is None]
+        if not good:
+            return
+        seq = journal.next_seq
+        payload = b"".join(encode_put(b.key, b.slot, b.checksum, state.seed) for b in good)
+        index = state.index
+        stats = self.stats
+        block_bytes = state.geometry.block_bytes
+
+        def commit() -> None:
+            for b in good:
+                index.commit(b.key, b.slot, b.checksum, seq)
+            stats.blocks_written += len(good)
+            stats.bytes_written += len(good) * block_bytes
+
+        def give_back() -> None:
+            index.release(b.slot for b in good)
+
+        journal.append(payload, on_durable=commit, on_failed=give_back)
+        owned.difference_update(b.slot for b in good)  # the journal's callbacks own them now
+        try:
+            await journal.wait_durable(seq)
+        except OSError as exc:
+            for block in good:
+                block.error = exc
+
+    async def _back_slots(self, state: _Open, blocks: list[_Block]) -> None:
+        """Create slab files for the blocks' slots; on ENOSPC, shrink capacity and fail those."""
+        top = max(b.slot for b in blocks) + 1
+        if top <= state.slabs.backed_slots:
+            return
+        try:
+            await state.slabs.ensure(top)
+        except OSError as exc:
+            backed = state.slabs.backed_slots
+            if backed < state.index.capacity_slots:
+                logger.warning(
+                    "fs tier %s: cannot grow the slab files past %d slots (%s); "
+                    "capacity lowered to what is allocated",
+                    self.context.name,
+                    backed,
+                    exc,
+                )
+                state.index.limit_capacity(backed)
+                self.stats.capacity_slots = state.index.capacity_slots
+            for block in blocks:
+                if block.slot >= backed:
+                    block.error = exc
+
+    # -- planning -----------------------------------------------------------------------
+
+    def _plan(
+        self, state: _Open, blocks: list[_Block], kind: OpKind
+    ) -> list[tuple[IoOp, list[_Block]]]:
+        """Group blocks into vectored ops: adjacent slots of one slab, up to ``max_io_bytes``.
+
+        Blocks whose buffer O_DIRECT cannot use get a bounce buffer (filled
+        here for writes).
+        """
+        geometry = state.geometry
+        direct = state.slabs.direct
+        block_bytes, slot_bytes = geometry.block_bytes, geometry.slot_bytes
+        io_len = slot_bytes if direct else block_bytes
+        contiguous = io_len == slot_bytes
+        max_io = max(self.config.max_io_bytes, io_len)
+        plan: list[tuple[IoOp, list[_Block]]] = []
+        group: list[_Block] = []
+        buffers: list[memoryview] = []
+        first_slot = prev_slot = -1
+        blocks.sort(key=_slot_of)
+        for block in blocks:
+            buf = block.view
+            if direct and (block_bytes != slot_bytes or not is_aligned(buf)):
+                bounce = state.bounce.take()
+                block.bounce = bounce
+                if kind is OpKind.WRITE:
+                    bounce[:block_bytes] = buf
+                    if state.pad:
+                        bounce[block_bytes:] = state.pad
+                buf = bounce
+            slot = block.slot
+            if not (
+                group
+                and contiguous
+                and slot == prev_slot + 1
+                and geometry.slab_of(slot) == geometry.slab_of(first_slot)
+                and (len(group) + 1) * io_len <= max_io
+                and len(group) < _IOV_MAX
+            ):
+                if group:
+                    plan.append((self._make_op(state, kind, first_slot, buffers), group))
+                group, buffers, first_slot = [], [], slot
+            group.append(block)
+            buffers.append(buf)
+            prev_slot = slot
+        if group:
+            plan.append((self._make_op(state, kind, first_slot, buffers), group))
+        return plan
+
+    @staticmethod
+    def _make_op(state: _Open, kind: OpKind, slot: int, buffers: list[memoryview]) -> IoOp:
+        _, fd, offset = state.slabs.locate(slot)
+        return IoOp(kind, fd, offset, buffers)
+
+    def _block_view(self, buffer: memoryview, writable: bool) -> memoryview:
+        view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if view.nbytes != self.block_bytes:
+            raise ValueError(
+                f"a block buffer must be exactly {self.block_bytes} bytes, got {view.nbytes}"
+            )
+        if writable and view.readonly:
+            raise ValueError("read() needs a writable buffer")
+        return view
+
+    # -- durability ---------------------------------------------------------------------
+
+    async def _sync_data(self, state: _Open, strict: bool) -> None:
+        """fdatasync the slab files written since the last sync."""
+        fds = state.slabs.take_dirty_fds()
+        if not fds:
+            return
+        ops = [IoOp(OpKind.FSYNC, fd) for fd in fds]
+        await state.backend.run(ops)
+        failed = [op.error for op in ops if op.error is not None]
+        if failed:
+            if strict:
+                raise OSError(errno.EIO, f"fdatasync of slab files failed: {failed[0]}")
+            logger.error("fs tier %s: slab fdatasync failed: %s", self.context.name, failed[0])
+
+    async def _periodic_sync(self, state: _Open) -> None:
+        interval = self.config.sync_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            await self._sync_data(state, strict=False)
+            state.journal.request_sync()
+
+
+def _slot_of(block: _Block) -> int:
+    return block.slot
+
+
+async def _checksum_blocks(blocks: list[_Block]) -> None:
+    """xxh3_128 of each block's bytes, yielding to the loop every few MiB."""
+    budget = _HASH_SLICE_BYTES
+    for block in blocks:
+        block.checksum = _checksum(block.view)
+        budget -= block.view.nbytes
+        if budget <= 0:
+            budget = _HASH_SLICE_BYTES
+            await asyncio.sleep(0)
+
+
+# -- opening the root directory (blocking; runs in a worker thread) ---------------------
+
+
+def _prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> _Prepared:
+    root = cfg.root_dir
+    notes: list[str] = []
+    lock_fd = _lock_root(root)
+    slabs: SlabFiles | None = None
+    try:
+        header = _checked_header(cfg, geometry, fingerprint, notes)
+        geometry = replace(geometry, slots_per_slab=header.slots_per_slab)
+        result, problem = recover(root, header)
+        if problem is not None:
+            notes.append(f"journal: {problem}")
+            logger.warning("fs tier: %s: journal %s", root, problem)
+        slabs = SlabFiles(root, geometry, cfg.direct_io, cfg.preallocate)
+        slabs.open_existing()
+        backed = slabs.backed_slots
+        entries = {k: v for k, v in result.entries.items() if v[0] < backed}
+        dropped = len(result.entries) - len(entries)
+        if dropped:
+            notes.append(f"{dropped} blocks beyond the capacity or the slab files were dropped")
+        size = write_snapshot(root, header, [(k, s, c) for k, (s, c) in entries.items()])
+        journal_fd = open_for_append(root)
+    except BaseException:
+        if slabs is not None:
+            slabs.close()
+        os.close(lock_fd)
+        raise
+    return _Prepared(lock_fd, header, geometry, slabs, entries, journal_fd, size, dropped, notes)
+
+
+def _close_prepared_when_done(job: asyncio.Future[_Prepared]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        job.result().close()
+
+
+def _lock_root(root: Path) -> int:
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RootInUseError(
+            f"fs tier: root_dir {str(root)!r} is in use by another fs tier (pid {holder}); "
+            "give each engine its own root_dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _checked_header(
+    cfg: FsTierConfig, geometry: Geometry, fingerprint: str, notes: list[str]
+) -> Header:
+    """The root's header if it describes this layout; otherwise reset (or refuse)."""
+    root = cfg.root_dir
+    try:
+        header = read_header(root)
+        reason = None if header is None else header.mismatch(geometry.block_bytes, fingerprint)
+    except ValueError as exc:
+        header, reason = None, f"unreadable header ({exc})"
+    if header is not None and reason is None:
+        return header
+    leftovers = _owned_files(root)
+    if reason is not None:
+        if cfg.on_layout_mismatch == "error":
+            raise ConfigError(
+                f"fs tier: root_dir {str(root)!r} holds a cache for another layout: {reason}. "
+                "Use another root_dir, or on_layout_mismatch='reset' to discard it"
+            )
+        notes.append(f"reset: {reason}")
+        logger.warning("fs tier: %s holds a cache for another layout (%s); resetting", root, reason)
+    elif leftovers:
+        notes.append("reset: slab or journal files without a header")
+    for path in leftovers:  # the header goes first, so an interrupted reset resets again
+        path.unlink(missing_ok=True)
+    header = Header.new(geometry, fingerprint)
+    write_header(root, header)
+    write_snapshot(root, header, [])
+    return header
+
+
+def _owned_files(root: Path) -> list[Path]:
+    """This tier's files under ``root``, header first (never anything else)."""
+    names = [HEADER_NAME, JOURNAL_NAME, f".{JOURNAL_NAME}.tmp", f".{HEADER_NAME}.tmp"]
+    out = [root / n for n in names if (root / n).exists()]
+    with os.scandir(root) as entries:
+        out += [Path(e.path) for e in entries if parse_slab_name(e.name) is not None]
+    return out
