@@ -64,6 +64,7 @@ class RedisTierConfig:
     cluster: bool = False
     namespace: str = "kv-tiering"
     max_connections: int = 16
+    max_blocks_in_flight: int = 256
     username: str | None = None
     password: str | None = None
     ssl: bool = False
@@ -112,6 +113,7 @@ class RedisTierConfig:
                 f"got {self.namespace!r}",
             )
         _positive_int("max_connections", self.max_connections)
+        _positive_int("max_blocks_in_flight", self.max_blocks_in_flight)
         _positive_int("max_pipeline_bytes", self.max_pipeline_bytes)
         for key in (
             "username",

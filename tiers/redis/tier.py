@@ -64,8 +64,10 @@ class RedisTier(AsyncTier):
                 f"accepted: {', '.join(sorted(_SETTINGS))}"
             )
         self.config = RedisTierConfig(**settings)
-        #: Each operation holds one connection (per node) for its round trip.
-        self.max_concurrency = self.config.max_connections
+        # The runtime hands over at most this many blocks at once, in batch calls of
+        # up to this many keys: one batch call is one pipeline, so it must be large
+        # for a job to be one round trip. Connections are bounded separately.
+        self.max_concurrency = self.config.max_blocks_in_flight
         self.stats = RedisTierStats()
         self._gate = ReconnectGate(
             self.config.reconnect_interval_s, self.config.max_reconnect_interval_s
