@@ -17,13 +17,16 @@ import re
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from tiering.errors import ConfigError
+
+logger = logging.getLogger("tiering.cli")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -160,7 +163,7 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
         "--requests",
         type=_positive_int,
         metavar="N",
-        help="synthetic workload size (default 1200), or replay only a trace's first N requests",
+        help="synthetic workload size (default 2000), or replay only a trace's first N requests",
     )
     parser.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default 0)")
     parser.add_argument(
@@ -181,6 +184,13 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
         default=512,
         metavar="N",
         help="tokens per trace block (default 512, as in the Mooncake traces)",
+    )
+    parser.add_argument(
+        "--chunk-blocks",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="blocks offloaded per store call, one prefill chunk (default 16 = 8192 tokens)",
     )
     parser.add_argument(
         "--block-bytes",
@@ -211,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="FILE",
         help="JSON or YAML kv_connector_extra_config (cpu_bytes_to_use, eviction_policy, "
-        "secondary_tiers, ...). Default: CPU 15%% of the workload's blocks plus a filesystem "
-        "tier of 60%% in a temporary directory.",
+        "secondary_tiers, ...). Default: CPU 8%% of the workload's distinct blocks plus a "
+        "filesystem tier of 30%% in a temporary directory.",
     )
     replay.add_argument(
         "--cpu-bytes",
@@ -241,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-blocks",
         type=_non_negative_int,
         metavar="N",
-        help="simulated GPU prefix cache size in blocks (0 disables it; default 4%% of the "
+        help="simulated GPU prefix cache size in blocks (0 disables it; default 2%% of the "
         "workload's distinct blocks)",
     )
     replay.add_argument(
@@ -340,12 +350,12 @@ def load_workload(args: argparse.Namespace) -> Workload:
 
 
 @contextlib.contextmanager
-def _stop_on_sigint(stop: Callable[[], None]) -> Iterator[None]:
-    """First Ctrl-C asks ``stop()`` for a clean stop; a second one interrupts at once."""
+def _stop_on_sigint(stop: threading.Event) -> Iterator[None]:
+    """First Ctrl-C sets ``stop`` for a clean stop; a second one interrupts at once."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        stop()
+        stop.set()
 
     try:
         previous = signal.signal(signal.SIGINT, handler)
@@ -362,7 +372,11 @@ def _consoles(json_mode: bool) -> tuple[Any, Any]:
     from rich.console import Console
 
     # The report goes to stdout; progress and logs to stderr, so --json stays parseable.
-    return Console(), Console(stderr=True)
+    # Redirected output is not wrapped at 80 columns: the tables are wider.
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=120)
+    return out, Console(stderr=True)
 
 
 def _setup_logging(verbose: int, console: Any) -> None:
@@ -451,22 +465,27 @@ def run_replay(args: argparse.Namespace) -> int:
     workload = load_workload(args)
     footprint = trace_footprint(workload.requests)
     gpu_blocks = args.gpu_blocks if args.gpu_blocks is not None else default_gpu_blocks(footprint)
+    stop = threading.Event()
 
-    with tempfile.TemporaryDirectory(prefix="tiering-replay-") as temp:
+    with tempfile.TemporaryDirectory(prefix="tiering-replay-") as temp, _stop_on_sigint(stop):
         extra = _replay_config(args, footprint, Path(temp))
         stack = build_stack(extra, block_bytes=args.block_bytes, block_tokens=args.block_tokens)
-        replayer = Replayer(
-            stack,
-            gpu_blocks=gpu_blocks,
-            block_tokens=args.block_tokens,
-            promotion_timeout_s=args.promotion_timeout,
-        )
         total = len(workload.requests)
         try:
-            with (
-                _progress(err, args.no_progress) as progress,
-                _stop_on_sigint(replayer.request_stop),
-            ):
+            replayer = Replayer(
+                stack,
+                gpu_blocks=gpu_blocks,
+                block_tokens=args.block_tokens,
+                promotion_timeout_s=args.promotion_timeout,
+                should_stop=stop.is_set,
+                store_chunk_blocks=args.chunk_blocks,
+            )
+            logger.info(
+                "replaying %d requests of %s (Ctrl-C stops with a partial report)",
+                total,
+                workload.name,
+            )
+            with _progress(err, args.no_progress) as progress:
                 task = progress.add_task(f"replay {workload.name}", total=total, status="")
 
                 def on_progress(totals: ReplayTotals) -> None:
@@ -494,6 +513,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "secondary_tiers": _jsonable(extra.get("secondary_tiers", [])),
         "secondary_summary": [tier_summary(t) for t in extra.get("secondary_tiers", [])],
         "promotion_timeout_s": args.promotion_timeout,
+        "store_chunk_blocks": args.chunk_blocks,
         "ignored_config_keys": ignored,
     }
     report = build_report(
@@ -509,6 +529,7 @@ def run_replay(args: argparse.Namespace) -> int:
         gpu_held=len(replayer.gpu),
         setup=setup,
         secondary_names=[name for name, _ in stack.secondary],
+        runtime_stats=[_runtime_stats(tier) for _, tier in stack.secondary],
     )
     if args.output is not None:
         args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -521,6 +542,13 @@ def run_replay(args: argparse.Namespace) -> int:
     if totals.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+def _runtime_stats(tier: object) -> Any:
+    """The async facade's own snapshot of a secondary tier (None for other tier managers)."""
+    from tiering.runtime import AsyncTierManager
+
+    return tier.stats() if isinstance(tier, AsyncTierManager) else None
 
 
 def _jsonable(value: Any) -> Any:
@@ -571,14 +599,9 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         if args.capacities
         else sweeping.default_capacities(footprint)
     )
-    stop = False
-
-    def request_stop() -> None:
-        nonlocal stop
-        stop = True
-
+    stop = threading.Event()
     steps = len(set(capacities)) * (len(policies) + 1)
-    with _progress(err, args.no_progress) as progress, _stop_on_sigint(request_stop):
+    with _progress(err, args.no_progress) as progress, _stop_on_sigint(stop):
         task = progress.add_task(f"sweep {workload.name}", total=steps, status="")
 
         def on_step(name: str, capacity: int) -> None:
@@ -590,9 +613,10 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             policies=policies,
             block_tokens=args.block_tokens,
             block_bytes=args.block_bytes,
+            store_chunk_blocks=args.chunk_blocks,
             trace_name=workload.name,
             on_step=on_step,
-            should_stop=lambda: stop,
+            should_stop=stop.is_set,
         )
     if result.points:
         sweeping.write_csv(result, outputs["csv"])
@@ -602,7 +626,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(), indent=2))
     else:
         _render_sweep(result, out, outputs if result.points else {})
-    return EXIT_INTERRUPTED if stop else EXIT_OK
+    return EXIT_INTERRUPTED if stop.is_set() else EXIT_OK
 
 
 def _render_sweep(result: Any, console: Any, outputs: dict[str, Path]) -> None:

@@ -21,8 +21,12 @@ import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from tiering.policies import make_policy
+from tiering.policies import EvictionPolicy, make_policy
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
+
+#: Blocks offloaded per store call: one prefill chunk of vLLM's default 8192-token
+#: batch at 512-token blocks. A request longer than that is stored chunk by chunk.
+DEFAULT_STORE_CHUNK_BLOCKS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,34 +83,49 @@ def simulate_policy(
     capacity_blocks: int,
     policy_name: str,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
 ) -> HitRate:
     """Prefix hits of one cache of ``capacity_blocks`` run by the named eviction policy.
 
-    Per request: the leading cached blocks hit; every block of the request is then
-    used in order (cached ones accessed, the rest inserted, evicting the policy's
-    victim when full), as the replay's primary tier sees a request with no GPU cache.
+    Each request drives the policy the way vLLM's connector drives the CPU primary
+    tier (:class:`~tiering.primary.CPUPrimaryTier`): the leading cached blocks hit;
+    every cached block of the request is touched (the first block ending most
+    recently used); then the blocks after the hit are stored in prefill chunks of
+    ``store_chunk_blocks``. A chunk's blocks not cached yet evict the policy's
+    victims among blocks outside the chunk (or, when too few are evictable, the
+    chunk is not stored) and are inserted last block first.
     """
+    if store_chunk_blocks <= 0:
+        raise ValueError(f"store_chunk_blocks must be positive, got {store_chunk_blocks}")
     policy = make_policy(policy_name, capacity_blocks)
     tally = _Tally()
-
-    def evictable(_key: Hashable) -> bool:
-        return True
-
     for request in requests:
+        ids = request.hash_ids
         hits = 0
-        for hash_id in request.hash_ids:
+        for hash_id in ids:
             if hash_id not in policy:
                 break
             hits += 1
         tally.add(request, hits, block_tokens)
-        for hash_id in request.hash_ids:
-            if hash_id in policy:
-                policy.access(hash_id)
-                continue
-            if len(policy) >= capacity_blocks:
-                policy.evict(1, evictable)
-            policy.insert(hash_id)
+        for hash_id in reversed(ids):
+            policy.access(hash_id)  # ignored for blocks not cached
+        for start in range(hits, len(ids), store_chunk_blocks):
+            _store_chunk(policy, capacity_blocks, ids[start : start + store_chunk_blocks])
     return tally.result()
+
+
+def _store_chunk(policy: EvictionPolicy[Hashable], capacity: int, ids: Sequence[int]) -> None:
+    """What ``CPUPrimaryTier.prepare_store`` + ``complete_store`` do to the policy."""
+    chunk = dict.fromkeys(ids)  # distinct, in order
+    missing = [hash_id for hash_id in chunk if hash_id not in policy]
+    shortfall = len(missing) - (capacity - len(policy))
+    if shortfall > 0:
+        protected = sum(1 for hash_id in chunk if hash_id in policy)
+        if shortfall > len(policy) - protected:
+            return  # the store is refused: nothing changes
+        policy.evict(shortfall, lambda key: key not in chunk)
+    for hash_id in reversed(missing):
+        policy.insert(hash_id)
 
 
 def _next_uses(requests: Sequence[Request]) -> list[int]:

@@ -3,15 +3,17 @@
 Per request, as vLLM's scheduler and offloading connector would:
 
 1. the GPU prefix cache serves the leading blocks it holds;
-2. the manager is asked about the rest of the prefix, block by block. A block in
+2. every block of the request is touched (marked recently used), and the manager
+   is asked about the rest of the prefix, block by block. A block in
    a secondary tier answers None while it is promoted; the loop steps the manager
    (its per-step poll) until every promotion landed or the promotion timeout
    passed, then re-checks the prefix it will load;
 3. ``prepare_load`` pins those blocks, the "GPU" reads every row and verifies it
    byte for byte against the block's deterministic contents, ``complete_load``;
-4. the blocks after the hit are "computed": ``prepare_store`` reserves primary
-   rows, the GPU side writes the bytes into them, ``complete_store`` makes them
-   readable (and cascades them to the secondary tiers);
+4. the blocks after the hit are "computed" in prefill chunks (``store_chunk_blocks``,
+   one scheduler step each): ``prepare_store`` reserves primary rows, the GPU side
+   writes the bytes into them, ``complete_store`` makes them readable (and cascades
+   them to the secondary tiers);
 5. the manager is stepped once (one scheduler step per request).
 
 Wall time is split between the simulated GPU side (prefix cache, filling and
@@ -32,6 +34,7 @@ from tiering.keys import NO_CONTEXT, OffloadKey
 from tiering.replay.blockdata import BlockContents, block_key, word_rows
 from tiering.replay.gpu_cache import GPUPrefixCache
 from tiering.replay.metrics import LatencySamples, PhaseClock
+from tiering.replay.offline import DEFAULT_STORE_CHUNK_BLOCKS
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
 from tiering.specs import BlockIDsLoadStoreSpec
 from tiering.stats import ManagerStats
@@ -146,9 +149,14 @@ class Replayer:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         promotion_timeout_s: float = 10.0,
         drain_timeout_s: float = 60.0,
+        should_stop: Callable[[], bool] | None = None,
+        store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
     ) -> None:
         if promotion_timeout_s <= 0:
             raise ValueError(f"promotion_timeout_s must be positive, got {promotion_timeout_s}")
+        if store_chunk_blocks <= 0:
+            raise ValueError(f"store_chunk_blocks must be positive, got {store_chunk_blocks}")
+        self.store_chunk_blocks = store_chunk_blocks
         self.stack = stack
         self.gpu = GPUPrefixCache(gpu_blocks)
         self.block_tokens = block_tokens
@@ -158,6 +166,7 @@ class Replayer:
         self.rows = word_rows(stack.kv_view, stack.block_bytes)
         self.totals = ReplayTotals()
         self._stop_requested = False
+        self._should_stop = should_stop
 
     def request_stop(self) -> None:
         """Ask the loop to stop after the current request (safe from a signal handler)."""
@@ -173,8 +182,9 @@ class Replayer:
     ) -> ReplayTotals:
         """Replay ``requests`` in order, then let in-flight tier jobs finish (bounded).
 
-        Returns the totals; ``interrupted`` is set when :meth:`request_stop` ended the
-        loop early. ``on_progress`` is called every ``progress_every`` requests.
+        Returns the totals; ``interrupted`` is set when :meth:`request_stop` (or the
+        ``should_stop`` callable given at construction) ended the loop early.
+        ``on_progress`` is called every ``progress_every`` requests and at the end.
         """
         totals = self.totals
         totals.requests_total = len(requests)
@@ -183,7 +193,7 @@ class Replayer:
         start = time.perf_counter()
         try:
             for index, request in enumerate(requests):
-                if self._stop_requested:
+                if self._stop_requested or (self._should_stop is not None and self._should_stop()):
                     totals.interrupted = True
                     break
                 self._replay_one(index, request)
@@ -213,10 +223,14 @@ class Replayer:
         for position in range(gpu_hits):
             gpu_tally.add(tokens[position])
         rest_ids = ids[gpu_hits:]
-        keys = [block_key(hash_id) for hash_id in rest_ids]
+        all_keys = [block_key(hash_id) for hash_id in ids]
+        keys = all_keys[gpu_hits:]
         t1 = perf()
         clock.add(PHASE_GPU, t1 - t0)
 
+        # As vLLM's connector does when it looks a request up: every block is recent.
+        self.stack.manager.touch(all_keys, NO_CONTEXT)
+        clock.add(PHASE_TIER, perf() - t1)
         found, sources = self._lookup_prefix(keys)
         loaded = self._load(index, rest_ids[:found], keys[:found], sources)
         for position, source in enumerate(sources[:loaded]):
@@ -349,9 +363,17 @@ class Replayer:
         return verified
 
     def _store(self, hash_ids: Sequence[int], keys: Sequence[OffloadKey]) -> None:
-        """Offload freshly computed blocks: prepare_store, write the rows, complete_store."""
-        if not keys:
-            return
+        """Offload freshly computed blocks, one prefill chunk (and scheduler step) at a time."""
+        chunk = self.store_chunk_blocks
+        for start in range(0, len(keys), chunk):
+            if start:
+                t0 = time.perf_counter()
+                self.stack.step()
+                self.totals.clock.add(PHASE_TIER, time.perf_counter() - t0)
+            self._store_chunk(hash_ids[start : start + chunk], keys[start : start + chunk])
+
+    def _store_chunk(self, hash_ids: Sequence[int], keys: Sequence[OffloadKey]) -> None:
+        """prepare_store, write the reserved rows as the GPU worker would, complete_store."""
         totals = self.totals
         clock = totals.clock
         manager = self.stack.manager

@@ -23,6 +23,7 @@ from tiering.replay.replayer import (
     PHASE_TIER,
     ReplayTotals,
 )
+from tiering.runtime.stats import TierStats as RuntimeTierStats
 from tiering.stats import ManagerStats, TierStats
 
 
@@ -44,6 +45,28 @@ def _latency(samples: LatencySamples, blocks: int, block_bytes: int) -> dict[str
         "blocks": blocks,
         "bytes": blocks * block_bytes,
         **_throughput(blocks, block_bytes, summary.total_s),
+    }
+
+
+def _runtime_json(runtime: RuntimeTierStats) -> dict[str, Any]:
+    """The facade's own view of a secondary tier: evictions, per-direction speed, faults."""
+    return {
+        "evicted_blocks": runtime.blocks_removed,
+        "store_mb_per_s_per_job": runtime.store_bytes_per_s / 1e6,
+        "load_mb_per_s_per_job": runtime.load_bytes_per_s / 1e6,
+        "runtime": {
+            "jobs_submitted": runtime.jobs_submitted,
+            "jobs_failed": runtime.jobs_failed,
+            "blocks_stored": runtime.blocks_stored,
+            "blocks_loaded": runtime.blocks_loaded,
+            "store_seconds": runtime.store_seconds,
+            "load_seconds": runtime.load_seconds,
+            "timeouts": runtime.timeouts,
+            "corrupt_reads": runtime.corrupt_reads,
+            "missing_reads": runtime.missing_reads,
+            "abandoned_jobs": runtime.abandoned_jobs,
+            "blocks_removed": runtime.blocks_removed,
+        },
     }
 
 
@@ -82,8 +105,13 @@ def build_report(
     gpu_held: int,
     setup: Mapping[str, Any],
     secondary_names: Sequence[str],
+    runtime_stats: Sequence[RuntimeTierStats | None] = (),
 ) -> dict[str, Any]:
-    """The whole report as plain data (what ``--json`` prints)."""
+    """The whole report as plain data (what ``--json`` prints).
+
+    ``runtime_stats`` are the secondary tiers' own snapshots (from the async
+    facade), where available, in the order of ``secondary_names``.
+    """
     total_tokens = totals.total_tokens
     hit_tokens = sum(tally.tokens for tally in totals.hits.values())
     hit_blocks = sum(tally.blocks for tally in totals.hits.values())
@@ -114,13 +142,15 @@ def build_report(
             "loaded_to_gpu_bytes": totals.blocks_loaded * block_bytes,
         },
     ]
-    for name, tier_stats in zip(secondary_names, stats.secondary, strict=True):
+    runtimes = list(runtime_stats) or [None] * len(secondary_names)
+    for name, tier_stats, runtime in zip(secondary_names, stats.secondary, runtimes, strict=True):
         tiers.append(
             {
                 "name": name,
                 "medium": tier_stats.medium,
                 **place(name),
                 **_tier_stats_json(tier_stats, block_bytes),
+                **(_runtime_json(runtime) if runtime is not None else {}),
             }
         )
 
@@ -130,6 +160,7 @@ def build_report(
     drain = clock.get(PHASE_DRAIN)
     other = max(0.0, totals.wall_s - gpu_side - tier_work - drain)
     tier_failures = sum(t.failures for t in stats.tiers)
+    present = [r for r in runtimes if r is not None]
     failures = {
         "verification_mismatches": totals.mismatches,
         "tier_job_failures": tier_failures,
@@ -137,6 +168,9 @@ def build_report(
         "store_rejected_blocks": totals.store_rejected_blocks,
         "lost_before_load": totals.lost_before_load,
         "load_errors": totals.load_errors,
+        "tier_timeouts": sum(r.timeouts for r in present),
+        "corrupt_reads": sum(r.corrupt_reads for r in present),
+        "missing_reads": sum(r.missing_reads for r in present),
         "promotion_no_room": stats.promotion_no_room,
         "internal_errors": stats.internal_errors,
         "unexpected_results": stats.unexpected_results,
@@ -232,78 +266,74 @@ def _blocks(count: int | None) -> str:
     return "unbounded" if count is None else f"{count:,}"
 
 
+def _speed(mb_per_s: float | None) -> str:
+    return "-" if not mb_per_s else f"{mb_per_s:,.0f}"
+
+
 def _ms(seconds_in_ms: float) -> str:
     return f"{seconds_in_ms:.2f}"
 
 
-def render_report(report: Mapping[str, Any], console: Console) -> None:
-    """Print the report as rich tables."""
-    trace = report["trace"]
-    setup = report["setup"]
+def _tier_tables(report: Mapping[str, Any], block_bytes: int) -> tuple[Table, Table]:
     hit = report["hit_rate"]
-    block_bytes = int(setup["block_bytes"])
-
-    title = (
-        f"{trace['name']}: {trace['requests_replayed']:,} of {trace['requests']:,} requests, "
-        f"{report['tokens']['total']:,} prompt tokens, {trace['footprint_blocks']:,} distinct "
-        f"blocks of {trace['block_tokens']} tokens ({_bytes(block_bytes)} each)"
+    hits = Table(title="Prefix hits by tier (token-weighted)", title_justify="left")
+    for column in ("tier", "medium", "capacity", "held", "hit rate", "hit blocks"):
+        hits.add_column(column, justify="left" if column in ("tier", "medium") else "right")
+    moved = Table(
+        title="Blocks moved",
+        title_justify="left",
+        caption="stored: into the tier (GPU->CPU for cpu, cascades for secondary tiers); "
+        "promoted: secondary->CPU; MB/s: per job, while the tier worked on it",
+        caption_justify="left",
     )
-    tiers_table = Table(title="Prefix hits by tier (token-weighted)", title_justify="left")
-    for column in (
-        "tier",
-        "medium",
-        "capacity",
-        "held",
-        "hit rate",
-        "hit blocks",
-        "stored",
-        "promoted",
-        "evicted",
-        "failures",
-    ):
-        tiers_table.add_column(column, justify="left" if column in ("tier", "medium") else "right")
+    for column in ("tier", "stored", "promoted", "evicted", "failures", "store MB/s", "load MB/s"):
+        moved.add_column(column, justify="left" if column == "tier" else "right")
+
+    def amount(blocks: int | None) -> str:
+        return "-" if blocks is None else f"{blocks:,} ({_bytes(blocks * block_bytes)})"
+
     for tier in report["tiers"]:
-        stored = tier.get("stored_blocks")
-        promoted = tier.get("promoted_blocks")
-        tiers_table.add_row(
+        hits.add_row(
             tier["name"],
             tier["medium"],
             _blocks(tier.get("capacity_blocks")),
             f"{tier.get('blocks_held', 0):,}",
             _pct(tier["token_hit_rate"]),
             f"{tier['hit_blocks']:,}",
-            "-" if stored is None else f"{stored:,} ({_bytes(stored * block_bytes)})",
-            "-" if promoted is None else f"{promoted:,} ({_bytes(promoted * block_bytes)})",
-            f"{tier.get('evicted_blocks', 0):,}",
-            str(tier.get("failures", 0)),
         )
-    tiers_table.add_section()
-    tiers_table.add_row(
-        "total",
-        "",
-        "",
-        "",
-        Text(_pct(hit["total"]), style="bold"),
-        f"{report['blocks']['hit']:,}",
-        "",
-        "",
-        "",
-        "",
+        moved.add_row(
+            tier["name"],
+            amount(tier.get("stored_blocks")),
+            amount(tier.get("promoted_blocks")),
+            f"{tier.get('evicted_blocks', 0):,}",
+            str(tier.get("failures", "-")),
+            _speed(tier.get("store_mb_per_s_per_job")),
+            _speed(tier.get("load_mb_per_s_per_job")),
+        )
+    hits.add_section()
+    hits.add_row(
+        "total", "", "", "", Text(_pct(hit["total"]), style="bold"), f"{report['blocks']['hit']:,}"
     )
-    tiers_table.add_row(
-        "unlimited",
-        "offline reference",
-        "unbounded",
-        "",
-        _pct(hit["unlimited"]),
-        "",
-        "",
-        "",
-        "",
-        "",
-    )
+    hits.add_row("unlimited", "offline reference", "unbounded", "", _pct(hit["unlimited"]), "")
+    return hits, moved
 
-    latency_table = Table(title="Transfers seen by the scheduler", title_justify="left")
+
+_OPERATIONS = {
+    "store_gpu_to_cpu": "store GPU->CPU",
+    "load_cpu_to_gpu": "load CPU->GPU",
+    "promotion_wait": "promotion wait",
+}
+
+
+def _latency_table(report: Mapping[str, Any]) -> Table:
+    table = Table(
+        title="Transfers as the scheduler sees them (per request)",
+        title_justify="left",
+        caption="store = prepare_store + copy + complete_store; load = prepare_load + byte "
+        "verification + complete_load; promotion wait = first 'retry later' until every "
+        "promoted block landed",
+        caption_justify="left",
+    )
     for column in (
         "operation",
         "calls",
@@ -315,15 +345,10 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
         "blocks/s",
         "MB/s",
     ):
-        latency_table.add_column(column, justify="left" if column == "operation" else "right")
-    labels = {
-        "store_gpu_to_cpu": "store GPU->CPU (prepare+copy+complete)",
-        "load_cpu_to_gpu": "load CPU->GPU (prepare+verify+complete)",
-        "promotion_wait": "promotion wait (secondary->CPU)",
-    }
-    for key, label in labels.items():
+        table.add_column(column, justify="left" if column == "operation" else "right")
+    for key, label in _OPERATIONS.items():
         row = report["latency"][key]
-        latency_table.add_row(
+        table.add_row(
             label,
             f"{row['count']:,}",
             f"{row['blocks']:,}",
@@ -334,64 +359,41 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
             f"{row['blocks_per_s']:,.0f}",
             f"{row['mb_per_s']:,.0f}",
         )
-    for tier in report["tiers"][2:]:
-        if tier["seconds_moved"] > 0:
-            latency_table.add_row(
-                f"{tier['name']} jobs (cascades+promotions)",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
-                f"{tier['per_job_mb_per_s']:,.0f} per job",
-            )
+    return table
 
-    overhead = report["overhead"]
-    overhead_text = Text.assemble(
-        ("Wall ", "bold"),
-        f"{overhead['wall_s']:.2f} s ({overhead['requests_per_s']:,.0f} requests/s, "
-        f"{overhead['blocks_per_s']:,.0f} blocks/s): ",
-        ("simulated GPU side ", "bold"),
-        f"{overhead['gpu_side_s']:.2f} s ({_pct(overhead['gpu_side_fraction'])}), ",
-        ("tier work ", "bold"),
-        f"{overhead['tier_work_s'] + overhead['drain_s']:.2f} s "
-        f"({_pct(overhead['tier_work_fraction'])}; promotion waits "
-        f"{overhead['promotion_wait_s']:.2f} s, final drain {overhead['drain_s']:.2f} s), "
-        f"replay bookkeeping {overhead['other_s']:.2f} s.",
-    )
 
-    failures = report["failures"]
-    problems = {k: v for k, v in failures.items() if v}
-    verification = report["verification"]
-    if verification["mismatches"]:
-        examples = ", ".join(
-            f"block {e['hash_id']} from {e['source']} (request {e['request']})"
-            for e in verification["examples"]
-        )
-        verdict = Text(
-            f"DATA MISMATCH: {verification['mismatches']} of {verification['verified_blocks']:,} "
-            f"loaded blocks did not hold the bytes stored: {examples}",
-            style="bold red",
-        )
-    else:
-        verdict = Text(
-            f"All {verification['verified_blocks']:,} loaded blocks verified byte for byte.",
-            style="bold green",
-        )
+def render_report(report: Mapping[str, Any], console: Console) -> None:
+    """Print the report as rich tables."""
+    trace = report["trace"]
+    setup = report["setup"]
+    hit = report["hit_rate"]
+    block_bytes = int(setup["block_bytes"])
+
     notes = [
-        Text(title, style="bold"),
         Text(
-            f"Setup: GPU cache {setup['gpu_blocks']:,} blocks, CPU primary "
-            f"{_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}), secondary: "
+            f"{trace['name']}: {trace['requests_replayed']:,} of {trace['requests']:,} requests, "
+            f"{report['tokens']['total']:,} prompt tokens, {trace['footprint_blocks']:,} "
+            f"distinct blocks of {trace['block_tokens']} tokens ({_bytes(block_bytes)} each)",
+            style="bold",
+        ),
+        Text(
+            f"GPU prefix cache {setup['gpu_blocks']:,} blocks; CPU primary "
+            f"{_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}); secondary: "
             + (", ".join(setup["secondary_summary"]) or "none")
         ),
         Text(
             f"Total hit rate {_pct(hit['total'])} = {_pct(hit['fraction_of_unlimited'])} of the "
-            f"{_pct(hit['unlimited'])} an unlimited cache gets on the same requests.",
+            f"{_pct(hit['unlimited'])} an unlimited cache gets on the same requests."
         ),
     ]
+    if setup.get("ignored_config_keys"):
+        notes.append(
+            Text(
+                "Ignored config keys (blocks are the trace's): "
+                + ", ".join(setup["ignored_config_keys"]),
+                style="dim",
+            )
+        )
     if report["interrupted"]:
         notes.append(
             Text(
@@ -399,9 +401,25 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
             )
         )
     console.print(Panel(Group(*notes), title="tiering replay", expand=False))
-    console.print(tiers_table)
-    console.print(latency_table)
-    console.print(overhead_text)
+    hits_table, moved_table = _tier_tables(report, block_bytes)
+    console.print(hits_table)
+    console.print(moved_table)
+    console.print(_latency_table(report))
+
+    overhead = report["overhead"]
+    console.print(
+        Text.assemble(
+            ("Replay overhead: ", "bold"),
+            f"wall {overhead['wall_s']:.2f} s ({overhead['requests_per_s']:,.0f} requests/s, "
+            f"{overhead['blocks_per_s']:,.0f} blocks/s) = simulated GPU side "
+            f"{overhead['gpu_side_s']:.2f} s ({_pct(overhead['gpu_side_fraction'])}) + tier work "
+            f"{overhead['tier_work_s'] + overhead['drain_s']:.2f} s "
+            f"({_pct(overhead['tier_work_fraction'])}; of which promotion waits "
+            f"{overhead['promotion_wait_s']:.2f} s, final drain {overhead['drain_s']:.2f} s) + "
+            f"replay bookkeeping {overhead['other_s']:.2f} s.",
+        )
+    )
+    problems = {k: v for k, v in report["failures"].items() if v}
     if problems:
         console.print(
             Text(
@@ -411,4 +429,24 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
         )
     else:
         console.print(Text("Failures: none.", style="green"))
-    console.print(verdict)
+    verification = report["verification"]
+    if verification["mismatches"]:
+        examples = ", ".join(
+            f"block {e['hash_id']} from {e['source']} (request {e['request']})"
+            for e in verification["examples"]
+        )
+        console.print(
+            Text(
+                f"DATA MISMATCH: {verification['mismatches']} of "
+                f"{verification['verified_blocks']:,} loaded blocks did not hold the bytes "
+                f"stored: {examples}",
+                style="bold red",
+            )
+        )
+    else:
+        console.print(
+            Text(
+                f"All {verification['verified_blocks']:,} loaded blocks verified byte for byte.",
+                style="bold green",
+            )
+        )

@@ -24,9 +24,9 @@ IGNORED_FOR_REPLAY = ("block_size",)
 #: Default capacities as fractions of the workload's distinct blocks: a GPU cache
 #: that catches immediate reuse, a CPU tier a few times larger and a filesystem tier
 #: that holds most of the rest, so every tier has work to do.
-DEFAULT_GPU_FRACTION = 0.04
-DEFAULT_CPU_FRACTION = 0.15
-DEFAULT_FS_FRACTION = 0.6
+DEFAULT_GPU_FRACTION = 0.02
+DEFAULT_CPU_FRACTION = 0.08
+DEFAULT_FS_FRACTION = 0.3
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -77,12 +77,17 @@ def _load_yaml(path: Path, text: str) -> object:
         raise ConfigError(f"config file {path}: invalid YAML: {exc}") from None
 
 
+#: Smallest default sizes, in blocks, so a tiny workload still gets a working stack.
+MIN_DEFAULT_GPU_BLOCKS = 16
+MIN_DEFAULT_CPU_BLOCKS = 64
+
+
 def default_extra_config(
     *, footprint_blocks: int, block_bytes: int, fs_root: Path
 ) -> dict[str, Any]:
     """The stack used when no config is given: CPU primary and a filesystem tier."""
-    cpu_blocks = max(1, math.ceil(footprint_blocks * DEFAULT_CPU_FRACTION))
-    fs_blocks = max(1, math.ceil(footprint_blocks * DEFAULT_FS_FRACTION))
+    cpu_blocks = max(MIN_DEFAULT_CPU_BLOCKS, math.ceil(footprint_blocks * DEFAULT_CPU_FRACTION))
+    fs_blocks = max(cpu_blocks, math.ceil(footprint_blocks * DEFAULT_FS_FRACTION))
     return {
         "cpu_bytes_to_use": cpu_blocks * block_bytes,
         "eviction_policy": "lru",
@@ -93,7 +98,7 @@ def default_extra_config(
 
 
 def default_gpu_blocks(footprint_blocks: int) -> int:
-    return max(1, math.ceil(footprint_blocks * DEFAULT_GPU_FRACTION))
+    return max(MIN_DEFAULT_GPU_BLOCKS, math.ceil(footprint_blocks * DEFAULT_GPU_FRACTION))
 
 
 def tier_summary(tier_config: Mapping[str, Any]) -> str:

@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from tiering.policies import POLICY_NAMES
-from tiering.replay.offline import HitRate, simulate_belady, simulate_policy, unlimited_hit_rate
+from tiering.replay.offline import (
+    DEFAULT_STORE_CHUNK_BLOCKS,
+    HitRate,
+    simulate_belady,
+    simulate_policy,
+    unlimited_hit_rate,
+)
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request, trace_footprint
 
 BELADY = "belady"
@@ -87,6 +93,7 @@ def run_sweep(
     policies: Sequence[str] = POLICY_NAMES,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     block_bytes: int = 0,
+    store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
     trace_name: str = "trace",
     on_step: Callable[[str, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -108,7 +115,9 @@ def run_sweep(
             if name == BELADY:
                 rates[name] = simulate_belady(requests, capacity, block_tokens)
             else:
-                rates[name] = simulate_policy(requests, capacity, name, block_tokens)
+                rates[name] = simulate_policy(
+                    requests, capacity, name, block_tokens, store_chunk_blocks
+                )
             if on_step is not None:
                 on_step(name, capacity)
         if len(rates) < len(policies) + 1:

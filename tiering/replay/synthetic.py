@@ -37,7 +37,7 @@ class SyntheticWorkload:
     as a Poisson process and later turns follow after a think time.
     """
 
-    num_requests: int = 1200
+    num_requests: int = 2000
     seed: int = 0
     num_system_prompts: int = 8
     system_prompt_tokens_min: int = 1024
@@ -47,8 +47,8 @@ class SyntheticWorkload:
     user_tokens_median: int = 600
     output_tokens_median: int = 300
     max_context_tokens: int = 32768
-    conversations_per_s: float = 0.5
-    think_time_s_mean: float = 30.0
+    conversations_per_s: float = 1.0
+    think_time_s_mean: float = 60.0
     block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     def __post_init__(self) -> None:

@@ -1,0 +1,27 @@
+"""Misbehaving in-memory tiers the replay tests name by ``"tests.replay_faults:Class"``.
+
+They are built from plain keyword arguments, so a ``secondary_tiers`` entry (or the
+``--tier`` flag) can create them through the tier registry, in-process or in a
+subprocess started from the repository root.
+"""
+
+from __future__ import annotations
+
+from tiering.testing.faults import FaultPlan, FaultyTier
+from tiers.memory import MemoryTier
+
+
+class CorruptingMemoryTier(FaultyTier):
+    """Flips one byte of a read block with probability ``corrupt_rate`` and says nothing."""
+
+    def __init__(self, corrupt_rate: float = 1.0, seed: int = 0) -> None:
+        super().__init__(
+            MemoryTier(), FaultPlan(corrupt_rate=corrupt_rate, ops={"read"}), seed=seed
+        )
+
+
+class SlowMemoryTier(FaultyTier):
+    """Delays every read by ``delay_s`` seconds (promotions land late)."""
+
+    def __init__(self, delay_s: float = 0.2) -> None:
+        super().__init__(MemoryTier(), FaultPlan(delay_rate=1.0, delay_s=delay_s, ops={"read"}))

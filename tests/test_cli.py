@@ -1,0 +1,315 @@
+"""The ``tiering`` command, in-process and as a subprocess: output, exit codes, bad input."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiering.cli import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    main,
+    parse_size,
+    parse_tier_spec,
+)
+from tiering.replay.trace import read_trace
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["--requests", "60", "--block-bytes", "8KiB", "--no-progress"]
+
+
+def _run_module(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tiering", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# -- pure helpers --------------------------------------------------------------------------------
+
+
+def test_sizes_and_tier_specs_parse() -> None:
+    assert parse_size("32KiB") == 32768
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("12 parsecs")
+    assert parse_tier_spec("fs:root_dir=/tmp/x,capacity_bytes=8GiB,n_read_threads=4") == {
+        "type": "fs",
+        "root_dir": "/tmp/x",
+        "capacity_bytes": "8GiB",
+        "n_read_threads": 4,
+    }
+    assert parse_tier_spec('{"type": "memory", "capacity_blocks": 10}') == {
+        "type": "memory",
+        "capacity_blocks": 10,
+    }
+    assert parse_tier_spec("memory") == {"type": "memory"}
+
+
+# -- generate and sweep (no tiers needed) --------------------------------------------------------
+
+
+def test_generate_writes_a_trace_that_reads_back(tmp_path: Path) -> None:
+    out = tmp_path / "w.jsonl"
+    assert main(["generate", str(out), "--requests", "40", "--seed", "5"]) == EXIT_OK
+    requests = read_trace(out)
+    assert len(requests) == 40
+
+
+def test_sweep_prints_json_and_writes_its_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = tmp_path / "sweep"
+    code = main(["sweep", *SMALL, "--out", str(prefix), "--capacities", "10,50,4MiB", "--json"])
+    assert code == EXIT_OK
+    data = json.loads(capsys.readouterr().out)
+    # 4 MiB of 8 KiB blocks is 512 blocks.
+    assert [p["capacity_blocks"] for p in data["points"]] == [10, 50, 512]
+    for point in data["points"]:
+        rates = point["token_hit_rate"]
+        assert rates["belady"] >= max(rates["lru"], rates["arc"]) - 1e-12
+    for ext in ("png", "csv", "json"):
+        assert (tmp_path / f"sweep.{ext}").stat().st_size > 0
+
+
+def test_sweep_table_on_the_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sweep", *SMALL, "--out", str(tmp_path / "s"), "--policies", "lru"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "Belady" in out and "LRU" in out and "ARC" not in out
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+def test_a_malformed_trace_line_is_reported_with_its_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 1, "input_length": 600, "hash_ids": [1, "x"]}\n'
+    )
+    for command in ("replay", "sweep"):
+        extra = ["--out", str(tmp_path / "s")] if command == "sweep" else []
+        assert main([command, str(trace), "--no-progress", *extra]) == EXIT_BAD_INPUT
+        err = capsys.readouterr().err
+        assert "bad.jsonl line 2" in err and "'hash_ids'[1] must be an integer" in err
+
+
+def test_a_missing_trace_file_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", str(tmp_path / "nope.jsonl")]) == EXIT_BAD_INPUT
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_an_unwritable_output_fails_before_reading_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("this is not json\n")
+    missing_dir = tmp_path / "no" / "such" / "dir"
+    code = main(["replay", str(trace), "--output", str(missing_dir / "r.json")])
+    assert code == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--output" in err and "does not exist" in err and "line 1" not in err
+    assert main(["sweep", str(trace), "--out", str(missing_dir / "s")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "--out" in err and "line 1" not in err
+    # A directory is not a file to write a report into.
+    assert main(["replay", "--output", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "is a directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"cpu_bytes_to_use": -5}, "cpu_bytes_to_use"),
+        ({"eviction_policy": "fifo", "cpu_bytes_to_use": 1 << 20}, "eviction_policy"),
+        ({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": {"type": "fs"}}, "secondary_tiers"),
+        (
+            {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"root_dir": "/x"}]},
+            "secondary_tiers[0].type",
+        ),
+    ],
+)
+def test_a_bad_config_names_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: dict[str, object], named: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["replay", *SMALL, "--config", str(path)]) == EXIT_BAD_INPUT
+    assert named in capsys.readouterr().err
+
+
+def test_config_files_that_are_not_mappings_or_not_parseable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad_json = tmp_path / "c.json"
+    bad_json.write_text('{"cpu_bytes_to_use": 1,}')
+    assert main(["replay", *SMALL, "--config", str(bad_json)]) == EXIT_BAD_INPUT
+    assert "invalid JSON at line 1" in capsys.readouterr().err
+    a_list = tmp_path / "c.yaml"
+    a_list.write_text("- 1\n- 2\n")
+    assert main(["replay", *SMALL, "--config", str(a_list)]) == EXIT_BAD_INPUT
+    assert "expected a mapping" in capsys.readouterr().err
+    assert main(["replay", *SMALL, "--config", str(tmp_path / "none.yaml")]) == EXIT_BAD_INPUT
+    assert "cannot read it" in capsys.readouterr().err
+
+
+def test_argument_errors_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["replay", "--block-bytes", "lots"])
+    assert info.value.code == 2
+    assert "not a size" in capsys.readouterr().err
+
+
+# -- replay through the real stack ---------------------------------------------------------------
+
+
+def test_replay_json_in_process_matches_the_file_and_the_offline_ceiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report_path = tmp_path / "report.json"
+    code = main(
+        [
+            "replay",
+            *SMALL,
+            "--tier",
+            "memory",
+            "--cpu-bytes",
+            "1MiB",
+            "--json",
+            "--output",
+            str(report_path),
+        ]
+    )
+    assert code == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads(report_path.read_text())
+    assert report["ok"] and not report["interrupted"]
+    assert [t["name"] for t in report["tiers"]] == ["gpu", "cpu", "memory"]
+    hit = report["hit_rate"]
+    # An unbounded memory tier forgets nothing: the total reaches the offline ceiling.
+    assert hit["total"] == pytest.approx(hit["unlimited"], abs=0.001)
+    assert hit["gpu"] + hit["cpu"] + hit["secondary"]["memory"] == pytest.approx(hit["total"])
+    assert report["verification"]["mismatches"] == 0
+    assert report["verification"]["verified_blocks"] == report["blocks"]["loaded_cpu_to_gpu"] > 0
+    assert report["tiers"][2]["stored_blocks"] == report["blocks"]["stored_gpu_to_cpu"] > 0
+    overhead = report["overhead"]
+    assert overhead["gpu_side_s"] + overhead["tier_work_s"] <= overhead["wall_s"]
+    assert report["setup"]["block_bytes"] == 8192
+
+
+def test_replay_prints_the_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", *SMALL, "--no-secondary", "--gpu-blocks", "0"]) == EXIT_OK
+    out = capsys.readouterr().out
+    for text in (
+        "Prefix hits by tier",
+        "Blocks moved",
+        "promotion wait",
+        "Replay overhead",
+        "verified byte for byte",
+        "unlimited",
+    ):
+        assert text in out
+
+
+def test_replay_of_a_trace_file_as_a_subprocess(tmp_path: Path) -> None:
+    trace = tmp_path / "w.jsonl"
+    assert main(["generate", str(trace), "--requests", "80"]) == EXIT_OK
+    done = _run_module(
+        "replay",
+        str(trace),
+        "--requests",
+        "50",
+        "--block-bytes",
+        "8KiB",
+        "--tier",
+        "memory:capacity_blocks=64",
+        "--json",
+        "--no-progress",
+    )
+    assert done.returncode == EXIT_OK, done.stderr
+    report = json.loads(done.stdout)
+    assert report["trace"] == {**report["trace"], "name": "w.jsonl", "requests": 50}
+    assert report["tiers"][2]["capacity_blocks"] == 64
+
+
+def test_replay_exits_non_zero_when_a_loaded_block_is_wrong() -> None:
+    done = _run_module(
+        "replay",
+        *SMALL,
+        "--tier",
+        '{"type": "tests.replay_faults:CorruptingMemoryTier", "corrupt_rate": 1.0}',
+    )
+    assert done.returncode == 1, done.stderr
+    assert "DATA MISMATCH" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("tier", "named"),
+    [
+        ("no_such_tier", "no_such_tier"),
+        ("memory:capacity_blockz=10", "capacity_blockz"),
+        ('{"type": "memory", "capacity_blocks": -1}', "capacity_blocks"),
+    ],
+)
+def test_a_bad_tier_names_its_position_type_and_key(
+    capsys: pytest.CaptureFixture[str], tier: str, named: str
+) -> None:
+    assert main(["replay", *SMALL, "--tier", tier]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert named in err and "secondary_tiers[0]" in err
+
+
+def test_ctrl_c_stops_cleanly_with_a_partial_report() -> None:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiering",
+            "-v",
+            "replay",
+            "--requests",
+            "50000",
+            "--block-bytes",
+            "4KiB",
+            "--tier",
+            "memory",
+            "--json",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    try:
+        for line in process.stderr:
+            if "Ctrl-C stops" in line:
+                break
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == EXIT_INTERRUPTED, err
+    report = json.loads(out)
+    assert report["interrupted"] and not report["ok"]
+    assert 0 < report["trace"]["requests_replayed"] < report["trace"]["requests"] == 50000
+    assert report["overhead"]["drained"]
+    assert report["verification"]["mismatches"] == 0

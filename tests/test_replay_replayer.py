@@ -1,0 +1,152 @@
+"""The replay loop against the real stack: the correctness anchor, policy agreement,
+byte verification, promotion time-outs and a clean stop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiering.replay.offline import simulate_policy, unlimited_hit_rate
+from tiering.replay.replayer import CPU, GPU, Replayer, ReplayStack, ReplayTotals
+from tiering.replay.stack import build_stack
+from tiering.replay.synthetic import SyntheticWorkload
+from tiering.replay.trace import Request, read_trace, trace_footprint
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+BLOCK = 4096
+
+
+@contextmanager
+def stack_for(config: dict[str, Any]) -> Iterator[ReplayStack]:
+    stack = build_stack(config, block_bytes=BLOCK, block_tokens=512)
+    try:
+        yield stack
+    finally:
+        stack.shutdown()
+
+
+def replay(
+    config: dict[str, Any], requests: Sequence[Request], gpu_blocks: int = 0, **options: Any
+) -> tuple[ReplayTotals, ReplayStack]:
+    with stack_for(config) as stack:
+        totals = Replayer(stack, gpu_blocks=gpu_blocks, **options).run(requests)
+    return totals, stack
+
+
+def hit_tokens(totals: ReplayTotals) -> int:
+    return sum(tally.tokens for tally in totals.hits.values())
+
+
+def check_accounting(totals: ReplayTotals, requests: Sequence[Request]) -> None:
+    assert totals.requests_done == len(requests)
+    assert totals.total_tokens == sum(r.input_length for r in requests)
+    assert totals.mismatches == 0
+    assert totals.drained
+    # Everything loaded to the GPU was a CPU or secondary hit, and was verified.
+    offloaded = sum(t.blocks for place, t in totals.hits.items() if place != GPU)
+    assert totals.blocks_loaded == totals.verified_blocks == offloaded
+
+
+def test_unlimited_capacity_matches_the_offline_hit_rate_through_promotions() -> None:
+    requests = SyntheticWorkload(num_requests=400, seed=11).generate()
+    footprint = trace_footprint(requests)
+    # A small GPU cache and CPU tier: most hits must be promoted from the memory tier.
+    config = {"cpu_bytes_to_use": 64 * BLOCK, "secondary_tiers": [{"type": "memory"}]}
+    totals, _ = replay(config, requests, gpu_blocks=16)
+    check_accounting(totals, requests)
+    expected = unlimited_hit_rate(requests)
+    assert hit_tokens(totals) / totals.total_tokens == pytest.approx(
+        expected.token_hit_rate, abs=0.001
+    )
+    assert totals.hits["memory"].blocks > footprint // 4
+    assert totals.hits[CPU].blocks > 0 and totals.hits[GPU].blocks > 0
+    assert totals.blocks_promoted_used == totals.hits["memory"].blocks
+    assert totals.promotion_timeouts == totals.lost_before_load == 0
+
+
+@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason=f"{SHARED_TRACE} is not present")
+def test_the_shared_trace_at_unlimited_capacity_hits_65_percent_like_the_offline_count() -> None:
+    requests = read_trace(SHARED_TRACE)
+    footprint = trace_footprint(requests)
+    totals, stack = replay({"cpu_bytes_to_use": footprint * BLOCK}, requests)
+    check_accounting(totals, requests)
+    rate = hit_tokens(totals) / totals.total_tokens
+    assert rate == pytest.approx(unlimited_hit_rate(requests).token_hit_rate, abs=0.001)
+    assert rate == pytest.approx(0.651, abs=0.005)
+    assert stack.stats().primary.evictions == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_the_cpu_tier_hits_exactly_what_the_offline_policy_simulation_predicts(
+    policy: str,
+) -> None:
+    requests = SyntheticWorkload(num_requests=300, seed=5).generate()
+    capacity = 150
+    config = {"cpu_bytes_to_use": capacity * BLOCK, "eviction_policy": policy}
+    totals, stack = replay(config, requests)
+    check_accounting(totals, requests)
+    predicted = simulate_policy(requests, capacity, policy)
+    assert totals.hits[CPU].tokens == predicted.hit_tokens
+    assert totals.hits[CPU].blocks == predicted.hit_blocks
+    assert stack.stats().primary.evictions > 0  # capacity really was the limit
+    assert predicted.hit_tokens < unlimited_hit_rate(requests).hit_tokens
+
+
+def test_a_gpu_cache_serves_reuse_before_the_tiers() -> None:
+    requests = SyntheticWorkload(num_requests=200, seed=2).generate()
+    config = {"cpu_bytes_to_use": 4096 * BLOCK}
+    without_gpu, _ = replay(config, requests)
+    with_gpu, _ = replay(config, requests, gpu_blocks=200)
+    assert with_gpu.hits[GPU].tokens > 0
+    assert hit_tokens(with_gpu) == hit_tokens(without_gpu)  # the CPU tier holds it all anyway
+    assert with_gpu.blocks_loaded < without_gpu.blocks_loaded
+
+
+def test_silently_corrupted_promotions_are_caught_and_never_counted_as_hits() -> None:
+    requests = SyntheticWorkload(num_requests=150, seed=4).generate()
+    config = {
+        "cpu_bytes_to_use": 32 * BLOCK,
+        "secondary_tiers": [
+            {"type": "tests.replay_faults:CorruptingMemoryTier", "corrupt_rate": 1.0}
+        ],
+    }
+    totals, _ = replay(config, requests)
+    assert totals.mismatches > 0
+    assert totals.mismatch_examples[0].source == "tests.replay_faults:CorruptingMemoryTier"
+    # A corrupt block (and what follows it in the prefix) is a miss, not a hit.
+    assert totals.hits["tests.replay_faults:CorruptingMemoryTier"].blocks == 0
+    assert hit_tokens(totals) < unlimited_hit_rate(requests).hit_tokens
+
+
+def test_promotions_slower_than_the_timeout_become_misses() -> None:
+    requests = SyntheticWorkload(num_requests=60, seed=8).generate()
+    config = {
+        "cpu_bytes_to_use": 16 * BLOCK,
+        "secondary_tiers": [{"type": "tests.replay_faults:SlowMemoryTier", "delay_s": 0.2}],
+    }
+    totals, _ = replay(config, requests, promotion_timeout_s=0.01)
+    assert totals.promotion_timeouts > 0
+    assert totals.mismatches == 0
+    assert totals.requests_done == len(requests)
+
+
+def test_a_stop_request_ends_the_run_early_and_cleanly() -> None:
+    requests = SyntheticWorkload(num_requests=300, seed=1).generate()
+    with stack_for(
+        {"cpu_bytes_to_use": 64 * BLOCK, "secondary_tiers": [{"type": "memory"}]}
+    ) as stack:
+        replayer = Replayer(stack, gpu_blocks=8)
+
+        def stop_at_50(totals: ReplayTotals) -> None:
+            if totals.requests_done == 50:
+                replayer.request_stop()
+
+        totals = replayer.run(requests, stop_at_50)
+        assert totals.interrupted and totals.requests_done == 50
+        assert totals.drained and stack.stats().jobs_in_flight == 0
+    assert totals.mismatches == 0
+    assert totals.total_tokens == sum(r.input_length for r in requests[:50])
