@@ -41,7 +41,8 @@ def make_shared_name(prefix: str = "kvtier") -> str:
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
-def _validate_geometry(num_blocks: int, block_bytes: int, require_alignment: bool) -> None:
+def validate_geometry(num_blocks: int, block_bytes: int, require_alignment: bool) -> None:
+    """Raise :class:`~tiering.errors.ConfigError` unless the buffer geometry is usable."""
     for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{label} must be an int, got {value!r}")
@@ -119,7 +120,7 @@ class HostBuffer:
         geometry or name, ``FileExistsError`` if the name is taken and
         ``OSError`` if the memory cannot be reserved.
         """
-        _validate_geometry(num_blocks, block_bytes, require_alignment)
+        validate_geometry(num_blocks, block_bytes, require_alignment)
         size = num_blocks * block_bytes
         if shared_name is None:
             mapping = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
@@ -160,7 +161,7 @@ class HostBuffer:
         mismatch means the two sides disagree on the layout and raises
         :class:`~tiering.errors.ConfigError`. ``FileNotFoundError`` if absent.
         """
-        _validate_geometry(num_blocks, block_bytes, require_alignment=False)
+        validate_geometry(num_blocks, block_bytes, require_alignment=False)
         path = os.path.join(SHM_DIR, _validate_name(name))
         try:
             fd = os.open(path, os.O_RDWR)
