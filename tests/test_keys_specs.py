@@ -1,0 +1,194 @@
+"""The seed contract's core types: keys, specs, results, job metadata and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tiering
+from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiering.errors import (
+    BlockNotFound,
+    ConfigError,
+    ContractError,
+    CorruptBlock,
+    PartialBatchError,
+    TieringError,
+)
+from tiering.jobs import JobMetadata, JobResult
+from tiering.keys import NO_CONTEXT, ReqContext, make_offload_key, split_offload_key
+from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec, as_block_ids
+
+# -- keys -------------------------------------------------------------------------------------
+
+
+@given(block_hash=st.binary(min_size=1, max_size=64), group_idx=st.integers(0, 2**32 - 1))
+def test_offload_key_round_trips(block_hash: bytes, group_idx: int) -> None:
+    key = make_offload_key(block_hash, group_idx)
+    assert isinstance(key, bytes) and len(key) == len(block_hash) + 4
+    assert split_offload_key(key) == (block_hash, group_idx)
+
+
+def test_offload_key_layout_is_hash_then_big_endian_group() -> None:
+    assert make_offload_key(b"\xab\xcd", 258) == b"\xab\xcd\x00\x00\x01\x02"
+    assert make_offload_key(bytearray(b"h"), np.int16(3)) == b"h\x00\x00\x00\x03"
+    assert make_offload_key(memoryview(b"h"), 0) == b"h\x00\x00\x00\x00"
+
+
+@pytest.mark.parametrize(
+    ("block_hash", "group_idx", "error", "match"),
+    [
+        ("abc", 0, TypeError, "block_hash must be bytes"),
+        (b"", 0, ValueError, "must not be empty"),
+        (b"h", -1, ValueError, r"\[0, 2\*\*32\)"),
+        (b"h", 2**32, ValueError, r"\[0, 2\*\*32\)"),
+        (b"h", 1.0, TypeError, "group_idx must be an int"),
+        (b"h", True, TypeError, "group_idx must be an int"),
+    ],
+)
+def test_offload_key_rejects_bad_input(
+    block_hash: object, group_idx: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        make_offload_key(block_hash, group_idx)  # type: ignore[arg-type]
+
+
+def test_split_rejects_short_keys() -> None:
+    with pytest.raises(ValueError, match="not an offload key"):
+        split_offload_key(b"\x00\x00\x00\x01")  # type: ignore[arg-type]
+
+
+def test_req_context_is_immutable_and_defaults_to_nothing() -> None:
+    assert ReqContext() == NO_CONTEXT and NO_CONTEXT.req_id is None
+    ctx = ReqContext("r1", {"namespace": "a"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.req_id = "r2"  # type: ignore[misc]
+
+
+# -- specs ------------------------------------------------------------------------------------
+
+
+def test_block_ids_are_frozen_int64_copies() -> None:
+    source = np.array([3, 1, 2], dtype=np.int32)
+    spec = CPULoadStoreSpec(source)
+    source[0] = 99
+    assert spec.block_ids.dtype == np.int64 and spec.block_ids.tolist() == [3, 1, 2]
+    assert not spec.block_ids.flags.writeable
+    assert len(spec) == 3 and CPULoadStoreSpec.medium() == "CPU"
+    assert repr(spec) == "CPULoadStoreSpec([3, 1, 2])"
+    assert len(CPULoadStoreSpec([])) == 0
+
+
+@pytest.mark.parametrize(
+    ("block_ids", "error", "match"),
+    [
+        ([[1, 2]], ValueError, "one-dimensional"),
+        ([1, -2], ValueError, "non-negative"),
+        ([1.5], TypeError, "must be integers"),
+        ([True, False], TypeError, "must be integers"),
+        (["1"], TypeError, "must be integers"),
+    ],
+)
+def test_block_ids_validation(block_ids: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        as_block_ids(block_ids)  # type: ignore[arg-type]
+
+
+def test_gpu_spec_groups_and_indices() -> None:
+    spec = GPULoadStoreSpec([10, 11, 20, 21, 22], group_sizes=[2, 3], block_indices=[4, 6])
+    assert GPULoadStoreSpec.medium() == "GPU"
+    assert spec.group_sizes == (2, 3) and spec.block_indices == (4, 6)
+    assert [g.tolist() for g in spec.groups()] == [[10, 11], [20, 21, 22]]
+    single = GPULoadStoreSpec([5, 6], block_indices=[0])
+    assert single.group_sizes is None and [g.tolist() for g in single.groups()] == [[5, 6]]
+    empty_group = GPULoadStoreSpec([7], group_sizes=[0, 1])
+    assert [g.tolist() for g in empty_group.groups()] == [[], [7]]
+
+
+@pytest.mark.parametrize(
+    ("group_sizes", "block_indices", "match"),
+    [
+        ([2, 2], None, r"sum\(group_sizes\)=4 must equal len\(block_ids\)=3"),
+        ([4, -1], None, "group_sizes must be non-negative"),
+        ([1, 2], [0], r"len\(block_indices\)=1 must equal the number of KV cache groups \(2\)"),
+        (None, [0, 1], r"number of KV cache groups \(1\)"),
+        ([1, 2], [0, -3], "block_indices must be non-negative"),
+    ],
+)
+def test_gpu_spec_validation(
+    group_sizes: list[int] | None, block_indices: list[int] | None, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        GPULoadStoreSpec([1, 2, 3], group_sizes=group_sizes, block_indices=block_indices)
+
+
+# -- results and jobs -------------------------------------------------------------------------
+
+
+def test_prepare_store_output_and_event_are_frozen() -> None:
+    out = PrepareStoreOutput([b"k"], CPULoadStoreSpec([0]), [])  # type: ignore[list-item]
+    event = OffloadingEvent([b"k"], 4096, "CPU", removed=False)  # type: ignore[list-item]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.keys_to_store = []  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.removed = True  # type: ignore[misc]
+
+
+def test_job_metadata_freezes_and_validates() -> None:
+    keys = [make_offload_key(b"a", 0), make_offload_key(b"b", 0)]
+    job = JobMetadata(7, keys, [4, 5], is_promotion=True)  # type: ignore[arg-type]
+    assert job.keys == tuple(keys) and job.block_ids.tolist() == [4, 5]
+    assert not job.block_ids.flags.writeable
+    assert job.req_context == ReqContext()
+    keys.append(make_offload_key(b"c", 0))
+    assert len(job.keys) == 2  # a copy, not the caller's list
+    with pytest.raises(ValueError, match="job 7: 2 keys but 1 block_ids"):
+        JobMetadata(7, tuple(keys[:2]), [4], is_promotion=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="job_id must be a non-negative int"):
+        JobMetadata(-1, (), [], is_promotion=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="job_id"):
+        JobMetadata("3", (), [], is_promotion=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="is_promotion must be a bool"):
+        JobMetadata(1, (), [], is_promotion=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-negative"):
+        JobMetadata(1, tuple(keys[:1]), [-4], is_promotion=False)
+
+
+def test_job_result_defaults_keep_the_seed_shape() -> None:
+    result = JobResult(3, False)
+    assert (result.job_id, result.success, result.successful_keys, result.error) == (
+        3,
+        False,
+        None,
+        None,
+    )
+
+
+# -- contract and errors ----------------------------------------------------------------------
+
+
+def test_offloading_manager_requires_the_core_methods() -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        OffloadingManager()  # type: ignore[abstract]
+    assert {"lookup", "prepare_load", "prepare_store"} <= OffloadingManager.__abstractmethods__
+
+
+def test_error_hierarchy_and_messages() -> None:
+    assert issubclass(ConfigError, ValueError) and issubclass(ContractError, ValueError)
+    for cls in (ConfigError, ContractError, BlockNotFound, CorruptBlock, PartialBatchError):
+        assert issubclass(cls, TieringError)
+    assert str(BlockNotFound(b"\x01\x02")) == "block 0102 is not in this tier"
+    corrupt = CorruptBlock(b"\xff", "checksum mismatch")
+    assert str(corrupt) == "block ff is corrupt: checksum mismatch"
+    partial = PartialBatchError([b"a"], {b"b": OSError("disk")})
+    assert partial.succeeded == frozenset({b"a"}) and set(partial.errors) == {b"b"}
+    assert "1 of 2 block operations failed" in str(partial) and "disk" in str(partial)
+
+
+def test_package_exports_the_contract_without_torch() -> None:
+    for name in tiering.__all__:
+        assert hasattr(tiering, name), name
