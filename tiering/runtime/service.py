@@ -379,21 +379,17 @@ class TierService:
 
     async def _load(self, job: _Job) -> JobResult:
         keys = job.meta.keys
-        if not self.shared:
-            present, unsettled = self.present, self.unsettled
-            missing = [k for k in keys if k not in present and k not in unsettled]
-            if missing:
-                self.counters.missing_reads += len(missing)
-                return JobResult(
-                    job.meta.job_id,
-                    False,
-                    successful_keys=frozenset(),
-                    error=f"{len(missing)} of {len(keys)} blocks are not in tier {self.name} "
-                    f"(first: {missing[0].hex()})",
-                )
+        # A private tier's presence view is authoritative: fail fast without I/O
+        # (a key with an operation in flight is judged once that operation ends).
+        missing = self._missing(keys, self._claims)
+        if missing:
+            return self._missing_result(job, missing)
         mine = await self._claim(keys)
         batch = _Batch()
         try:
+            missing = self._missing(keys, {})
+            if missing:
+                return self._missing_result(job, missing)
             started = time.monotonic()
             await self._transfer(job, list(range(len(keys))), batch, load=True)
             elapsed = time.monotonic() - started
@@ -425,6 +421,27 @@ class TierService:
             successful_keys=frozenset(loaded),
             transfer_bytes=nbytes,
             transfer_time=elapsed,
+        )
+
+    def _missing(self, keys: Sequence[OffloadKey], busy: object) -> list[OffloadKey]:
+        """Keys a private tier certainly lacks (none for a shared tier: it must be asked)."""
+        if self.shared:
+            return []
+        present, unsettled = self.present, self.unsettled
+        return [
+            k
+            for k in keys
+            if k not in present and k not in unsettled and k not in busy  # type: ignore[operator]
+        ]
+
+    def _missing_result(self, job: _Job, missing: list[OffloadKey]) -> JobResult:
+        self.counters.missing_reads += len(missing)
+        return JobResult(
+            job.meta.job_id,
+            False,
+            successful_keys=frozenset(),
+            error=f"{len(missing)} of {len(job.meta.keys)} blocks are not in tier {self.name} "
+            f"(first: {missing[0].hex()})",
         )
 
     def _forget_unreadable(self, errors: dict[OffloadKey, BaseException]) -> None:
@@ -552,7 +569,8 @@ class TierService:
             self._claims[key] = mine
         answers: list[bool] | None = None
         try:
-            answers = await asyncio.wait_for(self._contains_all(batch), self.job_timeout_s)
+            async with asyncio.timeout(self.job_timeout_s):
+                answers = await self._contains_all(batch)
         except Exception as exc:
             logger.warning(
                 "tier %s: checking presence of %d blocks failed (%r); treating them as absent",
@@ -614,7 +632,8 @@ class TierService:
             if not keys:
                 continue
             try:
-                await asyncio.wait_for(self.tier.touch(keys), self.job_timeout_s)
+                async with asyncio.timeout(self.job_timeout_s):  # inline: keeps mailbox order
+                    await self.tier.touch(keys)
             except Exception as exc:
                 logger.warning("tier %s: touch of %d blocks failed: %r", self.name, len(keys), exc)
 

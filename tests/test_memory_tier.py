@@ -1,0 +1,130 @@
+"""The in-memory tier: the conformance kit, bounds, eviction and removal reports."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.runtime_support import key
+from tiering.errors import BlockNotFound, ConfigError
+from tiering.keys import OffloadKey
+from tiering.testing.conformance import conformance_tests
+from tiering.tier import TierContext
+from tiers.memory import MemoryTier
+
+# Memory does not survive aclose: the kit's persistence check does not apply.
+NOT_PERSISTENT = ("persistence",)
+globals().update(conformance_tests(MemoryTier, prefix="test_unbounded_", skip=NOT_PERSISTENT))
+globals().update(
+    conformance_tests(
+        lambda: MemoryTier(capacity_blocks=1000, eviction_policy="lru"),
+        prefix="test_lru_",
+        skip=NOT_PERSISTENT,
+    )
+)
+globals().update(
+    conformance_tests(
+        lambda: MemoryTier(capacity_bytes=1000 * 16384, eviction_policy="arc"),
+        prefix="test_arc_",
+        skip=NOT_PERSISTENT,
+    )
+)
+
+BLOCK = 64
+
+
+async def opened(**options: object) -> tuple[MemoryTier, list[OffloadKey]]:
+    tier = MemoryTier(**options)  # type: ignore[arg-type]
+    removed: list[OffloadKey] = []
+    tier._bind_removed_sink(lambda keys: removed.extend(keys))
+    await tier.open(TierContext(block_bytes=BLOCK))
+    return tier, removed
+
+
+def block(i: int) -> memoryview:
+    return memoryview(bytes([i % 256]) * BLOCK)
+
+
+async def test_bounded_tier_evicts_least_recently_used_and_reports_it() -> None:
+    tier, removed = await opened(capacity_blocks=3)
+    for i in range(3):
+        await tier.write(key(i), block(i))
+    await tier.touch([key(0)])
+    into = bytearray(BLOCK)
+    await tier.read(key(1), memoryview(into))  # a read is a use too
+    await tier.write(key(3), block(3))
+    assert removed == [key(2)]
+    assert not await tier.contains(key(2))
+    assert tier.num_blocks == 3
+    with pytest.raises(BlockNotFound):
+        await tier.read(key(2), memoryview(into))
+
+
+async def test_capacity_bytes_becomes_whole_blocks_at_open() -> None:
+    tier, _ = await opened(capacity_bytes=BLOCK * 5 + 7)
+    assert tier.capacity_blocks == 5
+    with pytest.raises(ConfigError, match="holds no block"):
+        await opened(capacity_bytes=BLOCK - 1)
+
+
+async def test_delete_frees_room_and_overwrite_does_not_evict() -> None:
+    tier, removed = await opened(capacity_blocks=2)
+    await tier.write(key(1), block(1))
+    await tier.write(key(2), block(2))
+    await tier.write(key(2), block(9))  # overwrite: no eviction
+    await tier.delete(key(1))
+    await tier.write(key(3), block(3))
+    assert removed == []
+    assert set(await tier.list_keys()) == {key(2), key(3)}
+
+
+async def test_wrong_buffer_size_is_rejected() -> None:
+    tier, _ = await opened()
+    with pytest.raises(ValueError, match="blocks are 64"):
+        await tier.write(key(1), memoryview(bytes(10)))
+
+
+def test_bad_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="not both"):
+        MemoryTier(capacity_blocks=1, capacity_bytes=4096)
+    with pytest.raises(ConfigError, match="positive"):
+        MemoryTier(capacity_blocks=0)
+    with pytest.raises(ConfigError, match="integer"):
+        MemoryTier(capacity_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        MemoryTier(eviction_policy="fifo")
+
+
+@settings(max_examples=60)
+@given(
+    capacity=st.integers(1, 6),
+    policy=st.sampled_from(["lru", "arc"]),
+    ops=st.lists(st.tuples(st.sampled_from(["write", "delete", "touch"]), st.integers(0, 9))),
+)
+async def test_held_blocks_never_exceed_capacity_and_removals_are_reported(
+    capacity: int, policy: str, ops: Sequence[tuple[str, int]]
+) -> None:
+    tier, removed = await opened(capacity_blocks=capacity, eviction_policy=policy)
+    model: dict[OffloadKey, int] = {}
+    for op, i in ops:
+        k = key(i)
+        if op == "write":
+            await tier.write(k, block(i))
+            model[k] = i
+        elif op == "delete":
+            await tier.delete(k)
+            model.pop(k, None)
+        else:
+            await tier.touch([k])
+        for gone in removed:
+            model.pop(gone, None)
+        removed.clear()
+        assert tier.num_blocks <= capacity
+        assert set(await tier.list_keys()) == set(model)
+    for k, i in model.items():
+        into = bytearray(BLOCK)
+        await tier.read(k, memoryview(into))
+        assert into == bytes(block(i))

@@ -1,0 +1,369 @@
+"""AsyncTierManager: the seed's sync contract over an AsyncTier on its own loop thread."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.runtime_support import (
+    BLOCK,
+    LooseJob,
+    SlowTier,
+    fill,
+    key,
+    load,
+    one_result,
+    primary,
+    results,
+    store,
+    wait_until,
+)
+from tiering.errors import ConfigError, ContractError, TierClosedError
+from tiering.keys import NO_CONTEXT
+from tiering.runtime import AsyncTierManager, TierStats
+from tiering.testing.faults import FaultPlan, FaultyTier
+from tiers.memory import MemoryTier
+
+
+@pytest.fixture
+def buf() -> np.ndarray:
+    return primary()
+
+
+@pytest.fixture
+def manager(buf: np.ndarray):
+    with AsyncTierManager(MemoryTier(), buf.data, "memory", job_timeout_s=5.0) as m:
+        yield m
+
+
+def test_store_then_load_round_trips_bytes(manager: AsyncTierManager, buf: np.ndarray) -> None:
+    data = [fill(buf, row) for row in range(4)]
+    keys = [key(i) for i in range(4)]
+    manager.submit_store(store(1, keys, [0, 1, 2, 3]))
+    stored = one_result(manager)
+    assert stored.success and stored.error is None
+    assert stored.successful_keys == frozenset(keys)
+    assert stored.transfer_bytes == 4 * BLOCK
+    assert stored.transfer_time >= 0
+    assert all(manager.lookup(k, NO_CONTEXT) is True for k in keys)
+    assert manager.get_num_blocks() == 4
+    manager.submit_load(load(2, keys[::-1], [10, 11, 12, 13]))
+    loaded = one_result(manager)
+    assert loaded.success and loaded.successful_keys == frozenset(keys)
+    assert loaded.transfer_bytes == 4 * BLOCK
+    for i, row in enumerate([13, 12, 11, 10]):
+        assert bytes(buf[row]) == data[i]
+
+
+def test_store_skips_keys_already_present(manager: AsyncTierManager, buf: np.ndarray) -> None:
+    first = fill(buf, 0)
+    manager.submit_store(store(1, [key(1)], [0]))
+    assert one_result(manager).success
+    fill(buf, 0)  # other bytes in the row: the block already stored must not be rewritten
+    fill(buf, 1)
+    manager.submit_store(store(2, [key(1), key(2)], [0, 1]))
+    again = one_result(manager)
+    assert again.success and again.successful_keys == frozenset({key(1), key(2)})
+    assert again.transfer_bytes == BLOCK  # only the new key moved
+    manager.submit_load(load(3, [key(1)], [5]))
+    assert one_result(manager).success
+    assert bytes(buf[5]) == first
+
+
+def test_lookup_answers_absent_present_and_in_flight(buf: np.ndarray) -> None:
+    tier = SlowTier(delay_s=0.2)
+    with AsyncTierManager(tier, buf.data, "slow") as manager:
+        assert manager.lookup(key(1), NO_CONTEXT) is False
+        fill(buf, 0)
+        manager.submit_store(store(1, [key(1)], [0]))
+        assert manager.lookup(key(1), NO_CONTEXT) is None  # in flight from submit on
+        results(manager)
+        assert manager.lookup(key(1), NO_CONTEXT) is True
+
+
+def test_get_finished_is_empty_without_jobs_and_returns_each_result_once(
+    manager: AsyncTierManager, buf: np.ndarray
+) -> None:
+    assert list(manager.get_finished()) == []
+    fill(buf, 0)
+    manager.submit_store(store(7, [key(1)], [0]))
+    wait_until(lambda: manager.stats().jobs_succeeded == 1)
+    assert [r.job_id for r in manager.get_finished()] == [7]
+    assert list(manager.get_finished()) == []
+    assert not manager.has_pending_work()
+
+
+def test_load_of_a_missing_key_fails_the_whole_job(
+    manager: AsyncTierManager, buf: np.ndarray
+) -> None:
+    fill(buf, 0)
+    manager.submit_store(store(1, [key(1)], [0]))
+    assert one_result(manager).success
+    buf[5] = 0
+    manager.submit_load(load(2, [key(1), key(2)], [5, 6]))
+    failed = one_result(manager)
+    assert not failed.success
+    assert failed.error and "not in tier" in failed.error and key(2).hex() in failed.error
+    assert manager.stats().missing_reads == 1
+
+
+def test_any_failed_read_fails_the_load_and_names_successful_keys(buf: np.ndarray) -> None:
+    tier = FaultyTier(MemoryTier())
+    with AsyncTierManager(tier, buf.data, "faulty") as manager:
+        for row in range(3):
+            fill(buf, row)
+        manager.submit_store(store(1, [key(0), key(1), key(2)], [0, 1, 2]))
+        assert one_result(manager).success
+        tier.plan = FaultPlan(error_rate=1.0, keys={key(1)}, ops={"read"})
+        manager.submit_load(load(2, [key(0), key(1), key(2)], [10, 11, 12]))
+        failed = one_result(manager)
+        assert not failed.success
+        assert failed.successful_keys == frozenset({key(0), key(2)})
+        assert failed.error and "OSError" in failed.error and key(1).hex() in failed.error
+        assert failed.transfer_bytes == 2 * BLOCK
+        # An I/O error is not proof the block is gone: it stays a hit.
+        assert manager.lookup(key(1), NO_CONTEXT) is True
+
+
+def test_partial_store_failure_reports_successful_keys_and_settles_lookup(
+    buf: np.ndarray,
+) -> None:
+    tier = FaultyTier(MemoryTier(), FaultPlan(error_rate=1.0, keys={key(2)}, ops={"write"}))
+    with AsyncTierManager(tier, buf.data, "faulty") as manager:
+        for row in range(3):
+            fill(buf, row)
+        manager.submit_store(store(1, [key(1), key(2), key(3)], [0, 1, 2]))
+        result = one_result(manager)
+        assert not result.success
+        assert result.successful_keys == frozenset({key(1), key(3)})
+        assert result.transfer_bytes == 2 * BLOCK
+        assert manager.lookup(key(1), NO_CONTEXT) is True
+        # The failed key is checked with contains(), then answers False.
+        wait_until(lambda: manager.lookup(key(2), NO_CONTEXT) is False)
+        assert manager.stats().jobs_failed == 1
+
+
+def test_corrupt_read_is_a_miss_and_forgets_the_block(buf: np.ndarray) -> None:
+    tier = FaultyTier(MemoryTier())
+    with AsyncTierManager(tier, buf.data, "faulty") as manager:
+        fill(buf, 0)
+        manager.submit_store(store(1, [key(1)], [0]))
+        assert one_result(manager).success
+        manager.take_events()
+        tier.plan = FaultPlan(corrupt_rate=1.0, detect=True)
+        manager.submit_load(load(2, [key(1)], [3]))
+        failed = one_result(manager)
+        assert not failed.success and "CorruptBlock" in (failed.error or "")
+        assert manager.lookup(key(1), NO_CONTEXT) is False
+        assert manager.stats().corrupt_reads == 1
+        assert list(manager.take_events()) == [([key(1)], True)]
+
+
+def test_load_of_a_key_whose_store_is_in_flight_waits_for_the_store(buf: np.ndarray) -> None:
+    tier = SlowTier(delay_s=0.05)
+    with AsyncTierManager(tier, buf.data, "slow") as manager:
+        data = fill(buf, 0)
+        manager.submit_store(store(1, [key(1)], [0]))
+        manager.submit_load(load(2, [key(1)], [9]))
+        got = results(manager)
+        assert got[1].success and got[2].success
+        assert bytes(buf[9]) == data
+        assert tier.same_key_overlaps == 0
+
+
+def test_concurrency_is_bounded_by_max_concurrency_and_keys_never_overlap(
+    buf: np.ndarray,
+) -> None:
+    tier = SlowTier(delay_s=0.003)  # max_concurrency = 4
+    with AsyncTierManager(tier, buf.data, "slow") as manager:
+        for row in range(16):
+            fill(buf, row)
+        for job_id, start in enumerate(range(0, 15, 3), 1):
+            manager.submit_store(
+                store(job_id, [key(i) for i in range(start, start + 3)], range(start, start + 3))
+            )
+        manager.submit_store(store(99, [key(i) for i in range(16)], range(16)))  # overlaps all
+        manager.submit_load(load(100, [key(0), key(1)], [20, 21]))
+        got = results(manager)
+        assert all(r.success for r in got.values()), got
+        assert 1 < tier.peak <= 4
+        assert tier.same_key_overlaps == 0
+
+
+def test_big_jobs_are_split_into_batches_of_max_concurrency(buf: np.ndarray) -> None:
+    tier = SlowTier(delay_s=0.0)
+    with AsyncTierManager(tier, buf.data, "slow") as manager:
+        keys = [key(i) for i in range(10)]
+        manager.submit_store(store(1, keys, range(10)))
+        assert one_result(manager).success
+        assert tier.peak <= 4 and tier.calls["write"] == 10
+
+
+def test_touch_reaches_the_tier_eviction_policy(buf: np.ndarray) -> None:
+    with AsyncTierManager(MemoryTier(capacity_blocks=2), buf.data, "memory") as manager:
+        fill(buf, 0)
+        fill(buf, 1)
+        fill(buf, 2)
+        manager.submit_store(store(1, [key(1), key(2)], [0, 1]))
+        assert one_result(manager).success
+        # Mailbox order: the touch reaches the tier before the next store evicts.
+        manager.touch([key(1)], NO_CONTEXT)  # key 2 becomes the least recently used
+        manager.submit_store(store(2, [key(3)], [2]))
+        assert one_result(manager).success
+        assert manager.lookup(key(1), NO_CONTEXT) is True
+        assert manager.lookup(key(2), NO_CONTEXT) is False
+        assert manager.get_num_blocks() == 2
+
+
+def test_events_report_stores_and_evictions(buf: np.ndarray) -> None:
+    with AsyncTierManager(MemoryTier(capacity_blocks=2), buf.data, "memory") as manager:
+        for row in range(3):
+            fill(buf, row)
+        manager.submit_store(store(1, [key(1), key(2)], [0, 1]))
+        results(manager)
+        manager.submit_store(store(2, [key(3)], [2]))
+        results(manager)
+        events = list(manager.take_events())
+        assert events == [([key(1), key(2)], False), ([key(1)], True), ([key(3)], False)]
+        assert list(manager.take_events()) == []
+        assert manager.lookup(key(1), NO_CONTEXT) is False
+        stats = manager.stats()
+        assert stats.blocks_removed == 1 and stats.capacity_blocks == 2 and stats.blocks_held == 2
+
+
+def test_stats_snapshot_counts_jobs_blocks_and_bytes(
+    manager: AsyncTierManager, buf: np.ndarray
+) -> None:
+    for row in range(2):
+        fill(buf, row)
+    manager.submit_store(store(1, [key(1), key(2)], [0, 1]))
+    results(manager)
+    manager.submit_load(load(2, [key(1)], [4]))
+    manager.submit_load(load(3, [key(9)], [5]))
+    results(manager)
+    stats = manager.stats()
+    assert isinstance(stats, TierStats)
+    assert (stats.jobs_submitted, stats.jobs_succeeded, stats.jobs_failed) == (3, 2, 1)
+    assert (stats.store_jobs_submitted, stats.load_jobs_submitted) == (1, 2)
+    assert stats.jobs_in_flight == 0
+    assert (stats.blocks_stored, stats.blocks_loaded) == (2, 1)
+    assert (stats.bytes_stored, stats.bytes_loaded) == (2 * BLOCK, BLOCK)
+    assert stats.blocks_held == 2 and stats.capacity_blocks is None
+    assert stats.store_seconds >= 0 and stats.load_seconds >= 0
+    with pytest.raises(AttributeError):
+        stats.jobs_failed = 0  # type: ignore[misc]
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def _nothing_enqueued(manager: AsyncTierManager, before: TierStats) -> None:
+    after = manager.stats()
+    assert after.jobs_submitted == before.jobs_submitted
+    assert not manager.has_pending_work()
+
+
+def test_keys_and_block_ids_of_different_lengths_are_rejected(manager: AsyncTierManager) -> None:
+    before = manager.stats()
+    with pytest.raises(ContractError, match="2 keys but 1 block_ids"):
+        manager.submit_store(LooseJob(1, (key(1), key(2)), [0]))  # type: ignore[arg-type]
+    with pytest.raises(ContractError, match="1 keys but 2 block_ids"):
+        manager.submit_load(LooseJob(1, (key(1),), [0, 1], True))  # type: ignore[arg-type]
+    _nothing_enqueued(manager, before)
+
+
+def test_block_id_outside_the_primary_view_is_rejected(manager: AsyncTierManager) -> None:
+    before = manager.stats()
+    with pytest.raises(ContractError, match="block id 32, outside the primary view's 32 rows"):
+        manager.submit_store(store(1, [key(1), key(2)], [0, 32]))
+    with pytest.raises(ContractError, match="block id -1"):
+        manager.submit_load(LooseJob(2, (key(1),), [-1], True))  # type: ignore[arg-type]
+    _nothing_enqueued(manager, before)
+    assert manager.lookup(key(1), NO_CONTEXT) is False  # not even marked in flight
+
+
+def test_a_job_id_in_flight_or_undelivered_is_rejected(buf: np.ndarray) -> None:
+    with AsyncTierManager(SlowTier(delay_s=0.1), buf.data, "slow") as manager:
+        fill(buf, 0)
+        manager.submit_store(store(1, [key(1)], [0]))
+        with pytest.raises(ContractError, match="job 1 was already submitted"):
+            manager.submit_load(load(1, [key(1)], [1]))
+        manager.drain(10)  # finished but not yet delivered: still rejected
+        with pytest.raises(ContractError, match="job 1 was already submitted"):
+            manager.submit_store(store(1, [key(2)], [1]))
+        assert [r.job_id for r in manager.get_finished()] == [1]
+        manager.submit_load(load(1, [key(1)], [1]))  # delivered: the id may be reused
+        assert one_result(manager).success
+
+
+def test_a_key_listed_twice_is_rejected(manager: AsyncTierManager) -> None:
+    with pytest.raises(ContractError, match="lists a key twice"):
+        manager.submit_store(store(1, [key(1), key(1)], [0, 1]))
+    assert not manager.has_pending_work()
+
+
+def test_constructor_rejects_bad_views_and_options() -> None:
+    with pytest.raises(ConfigError, match="writable"):
+        AsyncTierManager(MemoryTier(), memoryview(bytes(8192)), "m", block_bytes=4096)
+    with pytest.raises(ConfigError, match="2-D"):
+        AsyncTierManager(MemoryTier(), memoryview(bytearray(8192)), "m")
+    with pytest.raises(ConfigError, match="does not divide"):
+        AsyncTierManager(MemoryTier(), memoryview(bytearray(8192)), "m", block_bytes=3000)
+    with pytest.raises(ConfigError, match="job_timeout_s"):
+        AsyncTierManager(MemoryTier(), primary().data, "m", job_timeout_s=0)
+    with pytest.raises(TypeError, match="AsyncTier"):
+        AsyncTierManager(object(), primary().data, "m")  # type: ignore[arg-type]
+
+
+def test_a_flat_view_with_block_bytes_works() -> None:
+    raw = bytearray(4 * BLOCK)
+    with AsyncTierManager(MemoryTier(), memoryview(raw), "m", block_bytes=BLOCK) as manager:
+        raw[BLOCK : 2 * BLOCK] = b"\x07" * BLOCK
+        manager.submit_store(store(1, [key(1)], [1]))
+        assert one_result(manager).success
+        manager.submit_load(load(2, [key(1)], [3]))
+        assert one_result(manager).success
+        assert raw[3 * BLOCK :] == b"\x07" * BLOCK
+
+
+# -- drain ----------------------------------------------------------------------------------
+
+
+def test_drain_blocks_until_every_job_has_a_result(buf: np.ndarray) -> None:
+    with AsyncTierManager(SlowTier(delay_s=0.02), buf.data, "slow") as manager:
+        for i in range(6):
+            fill(buf, i)
+            manager.submit_store(store(i, [key(i)], [i]))
+        manager.drain(10)
+        assert manager.stats().jobs_in_flight == 0
+        assert sorted(r.job_id for r in manager.get_finished()) == list(range(6))
+        manager.drain(0)  # nothing outstanding: returns at once
+
+
+def test_drain_timeout_names_the_running_jobs(buf: np.ndarray) -> None:
+    tier = FaultyTier(MemoryTier(), FaultPlan(hang_rate=1.0, ops={"write"}))
+    with AsyncTierManager(
+        tier, buf.data, "hang", job_timeout_s=30, shutdown_timeout_s=0.5
+    ) as manager:
+        manager.submit_store(store(1, [key(1)], [0]))
+        with pytest.raises(TimeoutError, match="1 job"):
+            manager.drain(0.05)
+
+
+def test_calls_after_shutdown_raise_and_shutdown_is_idempotent(buf: np.ndarray) -> None:
+    manager = AsyncTierManager(MemoryTier(), buf.data, "memory")
+    manager.shutdown()
+    manager.shutdown()
+    for call in (
+        lambda: manager.lookup(key(1), NO_CONTEXT),
+        lambda: manager.submit_store(store(1, [key(1)], [0])),
+        lambda: manager.submit_load(load(1, [key(1)], [0])),
+        lambda: manager.get_finished(),
+        lambda: manager.drain(1),
+        lambda: manager.touch([key(1)], NO_CONTEXT),
+        lambda: manager.get_num_blocks(),
+        lambda: manager.take_events(),
+    ):
+        with pytest.raises(TierClosedError):
+            call()
+    assert manager.stats().closed

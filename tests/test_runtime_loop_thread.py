@@ -1,0 +1,173 @@
+"""LoopThread (a BlockingPortal-style event-loop thread) and the BlockLimiter."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tiering.errors import TierClosedError
+from tiering.runtime import LoopThread, WrongThreadError
+from tiering.runtime.limiter import BlockLimiter
+from tiering.runtime.mailbox import Mailbox
+
+
+async def _add(a: int, b: int) -> int:
+    await asyncio.sleep(0)
+    return a + b
+
+
+class Boom(Exception):
+    pass
+
+
+async def _fail() -> None:
+    raise Boom("from the loop")
+
+
+def test_call_runs_on_the_named_thread_and_keeps_exception_types() -> None:
+    with LoopThread("test-loop") as portal:
+        assert portal.call(_add, 2, 3) == 5
+        assert portal.thread.name == "test-loop" and portal.thread.is_alive()
+
+        async def where() -> str:
+            return threading.current_thread().name
+
+        assert portal.call(where) == "test-loop"
+        with pytest.raises(Boom, match="from the loop"):
+            portal.call(_fail)
+    assert not portal.thread.is_alive() and portal.loop.is_closed()
+
+
+def test_a_call_from_the_loop_thread_itself_is_refused() -> None:
+    with LoopThread("reentrant") as portal:
+
+        async def reenter() -> None:
+            portal.call(_add, 1, 1)
+
+        with pytest.raises(WrongThreadError, match="would deadlock"):
+            portal.call(reenter)
+
+
+def test_call_timeout_cancels_the_coroutine() -> None:
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with LoopThread("timeout") as portal:
+        with pytest.raises(TimeoutError, match=r"did not finish within 0\.05 s"):
+            portal.call(forever, timeout=0.05)
+        assert cancelled.wait(5)
+
+
+def test_close_cancels_leftover_tasks_joins_executor_threads_and_is_idempotent() -> None:
+    before = set(threading.enumerate())
+    portal = LoopThread("closing")
+    stopped = threading.Event()
+
+    async def spawn() -> None:
+        async def lingering() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                stopped.set()
+
+        asyncio.get_running_loop().create_task(lingering())
+        await asyncio.to_thread(lambda: None)  # starts a default-executor thread
+
+    portal.call(spawn)
+    portal.close()
+    portal.close()
+    assert stopped.is_set()
+    assert set(threading.enumerate()) == before
+    with pytest.raises(TierClosedError):
+        portal.call(_add, 1, 2)
+    with pytest.raises(TierClosedError):
+        portal.call_soon(print)
+
+
+def test_mailbox_delivers_every_post_in_order_from_several_threads() -> None:
+    with LoopThread("mailbox") as portal:
+        box = Mailbox(portal.loop)
+        got: list[tuple[int, int]] = []
+        done = threading.Event()
+        total = 4 * 5000
+
+        def record(item: tuple[int, int]) -> None:
+            got.append(item)
+            if len(got) == total:
+                done.set()
+
+        def poster(t: int) -> None:
+            for i in range(5000):
+                box.post(record, (t, i))
+
+        threads = [threading.Thread(target=poster, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert done.wait(10)
+        for t in range(4):
+            assert [i for (tt, i) in got if tt == t] == list(range(5000))
+
+
+async def test_limiter_grants_in_arrival_order_and_never_exceeds_capacity() -> None:
+    limiter = BlockLimiter(4)
+    order: list[str] = []
+    await limiter.acquire(3)
+
+    async def take(name: str, n: int) -> None:
+        await limiter.acquire(n)
+        order.append(name)
+
+    big = asyncio.ensure_future(take("big", 4))
+    await asyncio.sleep(0)
+    small = asyncio.ensure_future(take("small", 1))  # fits now, but must queue behind big
+    await asyncio.sleep(0)
+    assert order == [] and limiter.in_use == 3
+    limiter.release(3)
+    await asyncio.gather(big)
+    assert order == ["big"] and limiter.in_use == 4
+    limiter.release(4)
+    await small
+    assert order == ["big", "small"] and limiter.in_use == 1
+    limiter.release(1)
+    assert limiter.in_use == 0
+
+
+async def test_limiter_cancelled_waiter_takes_nothing_and_unblocks_others() -> None:
+    limiter = BlockLimiter(2)
+    await limiter.acquire(2)
+    head = asyncio.ensure_future(limiter.acquire(2))
+    await asyncio.sleep(0)
+    behind = asyncio.ensure_future(limiter.acquire(1))
+    await asyncio.sleep(0)
+    head.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await head
+    limiter.release(1)
+    await behind
+    assert limiter.in_use == 2
+    limiter.release(2)
+    assert limiter.in_use == 0
+    with pytest.raises(ValueError, match="cannot acquire 3"):
+        await limiter.acquire(3)
+
+
+async def test_limiter_granted_then_cancelled_gives_units_back() -> None:
+    limiter = BlockLimiter(1)
+    await limiter.acquire(1)
+    waiter = asyncio.ensure_future(limiter.acquire(1))
+    await asyncio.sleep(0)
+    limiter.release(1)  # grants the waiter...
+    waiter.cancel()  # ...which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert limiter.in_use == 0

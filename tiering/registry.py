@@ -1,0 +1,245 @@
+"""Secondary tiers from config dicts ``{"type": ..., **options}`` (the seed's ``secondary_tiers``).
+
+A ``type`` names a tier class (an :class:`~tiering.tier.AsyncTier` subclass),
+found in this order:
+
+1. names given to :func:`register_tier_type`;
+2. the built-in names (:data:`BUILTIN_TIERS`: ``memory``, ``example``, ``fs``,
+   ``redis``), imported only when used;
+3. entry points of the group ``kv_tiering.tiers`` (a third-party package
+   declares ``[project.entry-points."kv_tiering.tiers"] mytier = "pkg.mod:MyTier"``);
+4. a ``"package.module:Class"`` path;
+5. vLLM 0.33's style, ``{"type": "Class", "module_path": "package.module"}``.
+
+The other keys of the dict are split in two. The *framework's* keys
+(:data:`FRAMEWORK_KEYS`) configure the runtime around the tier:
+
+``name``                 label in logs, metrics and the loop thread's name
+                         (default ``"<type>-<position>"``)
+``job_timeout_s``        every job's deadline (default 30)
+``open_timeout_s``       how long opening the tier may take (default 30)
+``shutdown_timeout_s``   bound on shutdown (default 10)
+``cancel_grace_s``       how long a cancelled operation may linger (default 1)
+``shared_absent_ttl_s``  shared tiers: how long an "absent" answer is trusted (default 5)
+``max_events``           events kept for ``take_events`` (default 100000)
+``module_path``          see 5. above
+
+Every other key is passed to the tier class's constructor as a keyword.
+Before constructing, the constructor's signature is checked: an unknown
+keyword or a missing required argument raises
+:class:`~tiering.errors.ConfigError` naming the tier's position in the list,
+its type and the offending key, and listing what is accepted.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from tiering.errors import ConfigError
+from tiering.runtime import AsyncTierManager
+from tiering.tier import AsyncTier
+
+#: Built-in tier names and the classes they import lazily ("module:Class").
+BUILTIN_TIERS: Mapping[str, str] = {
+    "memory": "tiers.memory:MemoryTier",
+    "example": "tiers.memory:ExampleTier",
+    "fs": "tiers.fs:FileSystemTier",
+    "redis": "tiers.redis:RedisTier",
+}
+
+#: Entry-point group third-party packages use to publish tier types.
+ENTRY_POINT_GROUP = "kv_tiering.tiers"
+
+#: Keys of a tier's config dict that configure the runtime, not the tier.
+FRAMEWORK_KEYS = (
+    "type",
+    "module_path",
+    "name",
+    "job_timeout_s",
+    "open_timeout_s",
+    "shutdown_timeout_s",
+    "cancel_grace_s",
+    "shared_absent_ttl_s",
+    "max_events",
+)
+_MANAGER_OPTIONS = FRAMEWORK_KEYS[3:]
+
+_registered: dict[str, str | type[AsyncTier]] = {}
+
+
+def register_tier_type(name: str, target: str | type[AsyncTier], *, replace: bool = False) -> None:
+    """Make ``{"type": name}`` build ``target``: an AsyncTier subclass or a ``"module:Class"`` path.
+
+    Raises ``ValueError`` if ``name`` is already registered or built in,
+    unless ``replace`` is True, and ``TypeError`` for a target that is
+    neither. A string target is imported only when a tier of that type is
+    created.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tier type name must be a non-empty string, got {name!r}")
+    if isinstance(target, str):
+        if ":" not in target:
+            raise ValueError(f"tier target {target!r} must look like 'package.module:Class'")
+    elif not (isinstance(target, type) and issubclass(target, AsyncTier)):
+        raise TypeError(f"tier target must be an AsyncTier subclass or a path, got {target!r}")
+    if not replace and (name in _registered or name in BUILTIN_TIERS):
+        raise ValueError(f"tier type {name!r} is already defined (pass replace=True to override)")
+    _registered[name] = target
+
+
+def unregister_tier_type(name: str) -> None:
+    """Forget a name given to :func:`register_tier_type` (no error if unknown)."""
+    _registered.pop(name, None)
+
+
+def known_tier_types() -> list[str]:
+    """Every type name resolvable without a path: registered, built in, entry points."""
+    names = set(_registered) | set(BUILTIN_TIERS)
+    names.update(ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def resolve_tier_class(type_name: str, module_path: str | None = None) -> type[AsyncTier]:
+    """The tier class a ``type`` (and optional vLLM-style ``module_path``) names.
+
+    Raises :class:`~tiering.errors.ConfigError` for an unknown name, a path
+    that does not import, or something that is not an AsyncTier subclass.
+    """
+    if not isinstance(type_name, str) or not type_name:
+        raise ConfigError(f"'type' must be a non-empty string, got {type_name!r}")
+    if module_path is not None:
+        if not isinstance(module_path, str) or not module_path:
+            raise ConfigError(f"'module_path' must be a module name, got {module_path!r}")
+        return _load(f"{module_path}:{type_name}", type_name)
+    target = _registered.get(type_name) or BUILTIN_TIERS.get(type_name)
+    if target is not None:
+        return target if isinstance(target, type) else _load(target, type_name)
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry_point.name == type_name:
+            try:
+                loaded = entry_point.load()
+            except Exception as exc:
+                raise ConfigError(
+                    f"tier type {type_name!r} (entry point {entry_point.value!r}) "
+                    f"failed to import: {exc!r}"
+                ) from exc
+            return _check_class(loaded, type_name)
+    if ":" in type_name:
+        return _load(type_name, type_name)
+    raise ConfigError(
+        f"unknown tier type {type_name!r}; known types: {', '.join(known_tier_types())}, "
+        "or a 'package.module:Class' path"
+    )
+
+
+def _load(path: str, type_name: str) -> type[AsyncTier]:
+    module_name, _, attribute = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"tier type {type_name!r}: cannot import {path!r}: {exc}") from exc
+    return _check_class(obj, type_name)
+
+
+def _check_class(obj: object, type_name: str) -> type[AsyncTier]:
+    if not (isinstance(obj, type) and issubclass(obj, AsyncTier)):
+        raise ConfigError(f"tier type {type_name!r} names {obj!r}, which is not an AsyncTier")
+    return obj
+
+
+def tier_options(tier_class: type[AsyncTier]) -> tuple[list[str], list[str], bool]:
+    """``(accepted, required, takes_any)`` keyword names of ``tier_class``'s constructor."""
+    signature = inspect.signature(tier_class)
+    accepted: list[str] = []
+    required: list[str] = []
+    takes_any = False
+    for param in signature.parameters.values():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            takes_any = True
+        elif param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            accepted.append(param.name)
+            if param.default is inspect.Parameter.empty:
+                required.append(param.name)
+        elif param.kind is inspect.Parameter.POSITIONAL_ONLY and param.default is param.empty:
+            required.append(param.name)  # cannot be given by config: always reported missing
+    return accepted, required, takes_any
+
+
+def create_secondary_tier(
+    config: Mapping[str, Any],
+    primary_kv_view: memoryview,
+    *,
+    position: int,
+    layout_fingerprint: str = "",
+) -> AsyncTierManager:
+    """Build the tier ``config`` describes and run it behind an :class:`AsyncTierManager`.
+
+    ``position`` is the entry's index in ``secondary_tiers`` (for messages).
+    Configuration mistakes raise :class:`~tiering.errors.ConfigError` naming
+    the position, the type and the offending key, before anything is
+    started; an error opening the tier propagates as the tier raised it.
+    """
+    where = f"secondary_tiers[{position}]"
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{where} must be a dict with a 'type' key, got {config!r}")
+    if "type" not in config:
+        raise ConfigError(f"{where}: missing required key 'type'; config: {dict(config)!r}")
+    type_name = config["type"]
+    where = f"{where} (type {type_name!r})"
+    try:
+        tier_class = resolve_tier_class(type_name, config.get("module_path"))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    options = {k: v for k, v in config.items() if k not in FRAMEWORK_KEYS}
+    accepted, required, takes_any = tier_options(tier_class)
+    if not takes_any:
+        for key in options:
+            if key not in accepted:
+                raise ConfigError(
+                    f"{where}: unknown option {key!r}; {tier_class.__name__} accepts "
+                    f"{', '.join(accepted) or 'no options'}; the framework's keys are "
+                    f"{', '.join(FRAMEWORK_KEYS)}"
+                )
+    for key in required:
+        if key not in options:
+            raise ConfigError(f"{where}: missing required option {key!r} of {tier_class.__name__}")
+    try:
+        tier = tier_class(**options)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {tier_class.__name__} rejected its options: {exc}") from exc
+    manager_options = {k: config[k] for k in _MANAGER_OPTIONS if k in config}
+    name = config.get("name", f"{type_name}-{position}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    try:
+        return AsyncTierManager(
+            tier,
+            primary_kv_view,
+            str(type_name),
+            name=name,
+            layout_fingerprint=layout_fingerprint,
+            **manager_options,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+__all__ = [
+    "BUILTIN_TIERS",
+    "ENTRY_POINT_GROUP",
+    "FRAMEWORK_KEYS",
+    "create_secondary_tier",
+    "known_tier_types",
+    "register_tier_type",
+    "resolve_tier_class",
+    "tier_options",
+    "unregister_tier_type",
+]
