@@ -183,6 +183,7 @@ class CPUPrimaryTier(OffloadingManager):
         not ready, changing nothing.
         """
         self._check_open()
+        keys = _as_sequence(keys)
         ready = self._ready
         try:
             block_ids = [ready[key] for key in keys]
@@ -200,7 +201,7 @@ class CPUPrimaryTier(OffloadingManager):
         worthless without its earlier ones, so those go first.
         """
         access = self._policy.access
-        for key in reversed(keys):
+        for key in reversed(_as_sequence(keys)):
             access(key)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
@@ -260,6 +261,7 @@ class CPUPrimaryTier(OffloadingManager):
             evicted = self._evict(shortfall, lambda k: k not in pins and k not in requested)
         count = len(to_store)
         block_ids = free[len(free) - count :]
+        block_ids.reverse()  # as if popped one by one: low rows first on a fresh pool
         del free[len(free) - count :]
         storing.update(zip(to_store, block_ids, strict=True))
         return PrepareStoreOutput(
@@ -370,3 +372,8 @@ class CPUPrimaryTier(OffloadingManager):
         if duplicated:
             parts.append(f"listed more than once: {describe_keys(duplicated)}")
         return ContractError(f"complete_store rejected ({'; '.join(parts)})")
+
+
+def _as_sequence(keys: Iterable[OffloadKey]) -> Sequence[OffloadKey]:
+    # Callers pass lists or tuples; anything else (a generator, a set) is read once here.
+    return keys if isinstance(keys, (list, tuple)) else list(keys)
