@@ -67,7 +67,6 @@ Strategy = Literal["auto", "dma", "kernel"]
 DEFAULT_DMA_MIN_BYTES = 256 * 1024
 
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
-_CUDA_DEV_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 
 
 # --------------------------------------------------------------------------- runtime
@@ -96,15 +95,6 @@ class _CudaRuntime:
         """Reset the thread's sticky "last error" a failed runtime call leaves behind."""
         if self.lib is not None:
             self.lib.cudaGetLastError()
-
-    def device_attribute(self, attr: int, device: int) -> int | None:
-        if self.lib is None:
-            return None
-        value = ctypes.c_int(0)
-        if self.lib.cudaDeviceGetAttribute(ctypes.byref(value), attr, device) != 0:
-            self.clear_last_error()
-            return None
-        return value.value
 
     def host_device_pointer(self, host_ptr: int) -> int | None:
         """The device address of registered host memory, or None."""
@@ -256,6 +246,73 @@ class CudaCopyJob(CopyJob):
         self._keepalive = []
 
 
+def dma_copy(
+    entry: BlockCopies,
+    layout: KVLayout,
+    gpu_rows: torch.Tensor,
+    gpu_flat: torch.Tensor,
+    host_flat: torch.Tensor,
+    gpu_to_cpu: bool,
+) -> None:
+    """Enqueue one ``copy_`` (a ``cudaMemcpyAsync``) per run of adjacent blocks.
+
+    ``gpu_flat`` / ``host_flat`` are 1-D byte views of the KV tensor and of the
+    primary buffer; on the current stream, asynchronous when the host is pinned.
+    """
+    gpu_off = entry.gpu_offsets(gpu_rows.stride(0))
+    cpu_off = entry.cpu_offsets(layout)
+    if gpu_to_cpu:
+        src, dst, src_off, dst_off = gpu_flat, host_flat, gpu_off, cpu_off
+    else:
+        src, dst, src_off, dst_off = host_flat, gpu_flat, cpu_off, gpu_off
+    starts_s, starts_d, lengths = byte_runs(src_off, dst_off, entry.nbytes)
+    for s, d, n in zip(starts_s.tolist(), starts_d.tolist(), lengths.tolist(), strict=True):
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+
+
+def kernel_copy(
+    entry: BlockCopies,
+    layout: KVLayout,
+    gpu_rows: torch.Tensor,
+    mapped_flat: torch.Tensor,
+    gpu_idx: torch.Tensor,
+    cpu_idx: torch.Tensor,
+    sub_idx: torch.Tensor,
+    gpu_to_cpu: bool,
+) -> None:
+    """Enqueue one gather and one scatter kernel for all of ``entry``'s blocks.
+
+    ``mapped_flat`` is the primary buffer as a 1-D byte tensor on the device
+    (device-mapped pinned memory); the indices are ``entry``'s block ids on
+    the device. Pure tensor indexing, so it runs on any device.
+    """
+    t = entry.tensor_idx
+    page = layout.gpu_page_bytes[t]
+    pages = gpu_rows[:, : entry.nbytes]
+    if layout.block_size_factor == 1:
+        slots = torch.as_strided(
+            mapped_flat,
+            (layout.cpu_num_blocks, entry.nbytes),
+            (layout.cpu_block_bytes, 1),
+            layout.cpu_slot_offsets[t],
+        )
+        if gpu_to_cpu:
+            slots.index_copy_(0, cpu_idx, pages.index_select(0, gpu_idx))
+        else:
+            pages.index_copy_(0, gpu_idx, slots.index_select(0, cpu_idx))
+        return
+    sub_slots = torch.as_strided(
+        mapped_flat,
+        (layout.cpu_num_blocks, layout.block_size_factor, entry.nbytes),
+        (layout.cpu_block_bytes, page, 1),
+        layout.cpu_slot_offsets[t],
+    )
+    if gpu_to_cpu:
+        sub_slots.index_put_((cpu_idx, sub_idx), pages.index_select(0, gpu_idx))
+    else:
+        pages.index_copy_(0, gpu_idx, sub_slots[cpu_idx, sub_idx])
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -373,13 +430,12 @@ class CudaCopyEngine(CopyEngine):
     def _map_host(self) -> torch.Tensor | None:
         """The pinned buffer as a CUDA tensor (device-mapped), verified, or None."""
         runtime = _cuda_runtime()
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        usable = runtime.device_attribute(
-            _CUDA_DEV_ATTR_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, index
-        )
-        dptr = runtime.host_device_pointer(self._host_ptr)
-        if dptr is None or usable is None:
-            logger.info("primary buffer not mapped for kernels: CUDA runtime calls unavailable")
+        # The device address of the registered range (equal to the host address
+        # under unified addressing, but asking is what is guaranteed to work).
+        with torch.cuda.device(self.device):
+            dptr = runtime.host_device_pointer(self._host_ptr)
+        if dptr is None:
+            logger.info("primary buffer not mapped for kernels: no device address for it")
             return None
         try:
             with torch.cuda.device(self.device):
@@ -465,59 +521,15 @@ class CudaCopyEngine(CopyEngine):
                     dev_idx[pos + 2 * n : pos + 3 * n],
                 )
                 pos += 3 * n
+        to_cpu = plan.lane.gpu_to_cpu
         for entry in plan.copies:
+            rows = self._gpu[entry.tensor_idx]
             if id(entry) in indices:
-                self._copy_kernel(entry, plan.lane.gpu_to_cpu, *indices[id(entry)])
+                assert self._mapped is not None
+                kernel_copy(entry, self.layout, rows, self._mapped, *indices[id(entry)], to_cpu)
             else:
-                self._copy_dma(entry, plan.lane.gpu_to_cpu)
-
-    def _copy_dma(self, entry: BlockCopies, gpu_to_cpu: bool) -> None:
-        t = entry.tensor_idx
-        gpu_off = entry.gpu_offsets(self._gpu[t].stride(0))
-        cpu_off = entry.cpu_offsets(self.layout)
-        if gpu_to_cpu:
-            src, dst, src_off, dst_off = self._gpu_flat[t], self._host_flat, gpu_off, cpu_off
-        else:
-            src, dst, src_off, dst_off = self._host_flat, self._gpu_flat[t], cpu_off, gpu_off
-        starts_s, starts_d, lengths = byte_runs(src_off, dst_off, entry.nbytes)
-        for s, d, n in zip(starts_s.tolist(), starts_d.tolist(), lengths.tolist(), strict=True):
-            dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
-
-    def _copy_kernel(
-        self,
-        entry: BlockCopies,
-        gpu_to_cpu: bool,
-        gpu_idx: torch.Tensor,
-        cpu_idx: torch.Tensor,
-        sub_idx: torch.Tensor,
-    ) -> None:
-        assert self._mapped is not None
-        layout = self.layout
-        t = entry.tensor_idx
-        page = layout.gpu_page_bytes[t]
-        pages = self._gpu[t][:, : entry.nbytes]
-        if layout.block_size_factor == 1:
-            slots = torch.as_strided(
-                self._mapped,
-                (layout.cpu_num_blocks, entry.nbytes),
-                (layout.cpu_block_bytes, 1),
-                layout.cpu_slot_offsets[t],
-            )
-            if gpu_to_cpu:
-                slots.index_copy_(0, cpu_idx, pages.index_select(0, gpu_idx))
-            else:
-                pages.index_copy_(0, gpu_idx, slots.index_select(0, cpu_idx))
-            return
-        sub_slots = torch.as_strided(
-            self._mapped,
-            (layout.cpu_num_blocks, layout.block_size_factor, entry.nbytes),
-            (layout.cpu_block_bytes, page, 1),
-            layout.cpu_slot_offsets[t],
-        )
-        if gpu_to_cpu:
-            sub_slots.index_put_((cpu_idx, sub_idx), pages.index_select(0, gpu_idx))
-        else:
-            pages.index_copy_(0, gpu_idx, sub_slots[cpu_idx, sub_idx])
+                flat = self._gpu_flat[entry.tensor_idx]
+                dma_copy(entry, self.layout, rows, flat, self._host_flat, to_cpu)
 
     # -------------------------------------------------------------- shutdown
 
