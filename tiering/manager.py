@@ -32,6 +32,7 @@ Rules the manager keeps:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import logging
@@ -168,9 +169,10 @@ class TieringOffloadingManager(OffloadingManager):
     ``failed_promotion_backoff_s`` (how long a key whose promotion failed is
     answered as a miss); ``backfill_earlier_tiers`` (a block promoted from
     tier *i* is also stored into tiers before *i*, which missed it);
-    ``event_block_size`` (the ``block_size`` of secondary-tier events; the
-    primary tier's events carry its own); ``max_promotion_batch`` (most blocks
-    per promotion job); ``name`` (the ``manager`` label of its metrics);
+    ``event_block_size`` (the ``block_size`` every event reports, e.g. tokens
+    per block; default: the primary tier's own label, its block bytes);
+    ``max_promotion_batch`` (most blocks per promotion job); ``name`` (the
+    ``manager`` label of its metrics);
     ``metrics_registry`` (a ``prometheus_client`` registry, None for the
     default one, False for none); ``clock`` (seconds, for back-off and ages).
 
@@ -186,7 +188,7 @@ class TieringOffloadingManager(OffloadingManager):
         shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
         failed_promotion_backoff_s: float = DEFAULT_FAILED_PROMOTION_BACKOFF_S,
         backfill_earlier_tiers: bool = True,
-        event_block_size: int = 0,
+        event_block_size: int | None = None,
         max_promotion_batch: int = DEFAULT_MAX_PROMOTION_BATCH,
         name: str = "tiering",
         metrics_registry: Any = None,
@@ -216,7 +218,12 @@ class TieringOffloadingManager(OffloadingManager):
         self._shutdown_timeout_s = float(shutdown_timeout_s)
         self._backoff_s = float(failed_promotion_backoff_s)
         self._backfill = backfill_earlier_tiers
-        self._event_block_size = event_block_size
+        # The primary tier labels its events with its block bytes; secondary events follow
+        # that convention unless the caller names a block size for every event.
+        self._event_block_size = (
+            primary.block_bytes if event_block_size is None else event_block_size
+        )
+        self._relabel_primary_events = event_block_size is not None
         self._max_batch = max_promotion_batch
         self._clock = clock
         self._block_bytes = primary.block_bytes
@@ -232,6 +239,11 @@ class TieringOffloadingManager(OffloadingManager):
         self._staged: list[list[_StagedBatch]] = [[] for _ in tiers]
         self._num_staged = 0
         self._user_load_pins: dict[OffloadKey, int] = {}  # pins taken by the engine
+        # Keys answered True since the step began: a promotion's eviction must not take them
+        # before the engine's prepare_load. Pinned lazily, only when a promotion must evict.
+        self._step_hits: set[OffloadKey] = set()
+        self._unpinned_hits: list[OffloadKey] = []
+        self._pinned_hits: list[OffloadKey] = []
         self._backoff: dict[OffloadKey, float] = {}  # key -> when it may be promoted again
         self._lookups = 0
         self._retries = 0
@@ -283,12 +295,17 @@ class TieringOffloadingManager(OffloadingManager):
         that holds the block gets a promotion job (submitted at the next
         :meth:`step` or sooner) and the answer is None until it lands. If no
         primary block can be reserved the answer is False (a miss).
+
+        A block answered True is not evicted to make room for a promotion
+        until the step ends (:meth:`step`, :meth:`prepare_store` or
+        :meth:`take_events`), so the engine's ``prepare_load`` of this step's
+        hits never finds them gone.
         """
         self._check_open()
         self._lookups += 1
         primary = self._primary
         if primary.is_ready(key):
-            self._primary_counters.hits += 1
+            self._hit(key)
             return True
         if key in self._promoting:
             # The engine retries the lookup of a key on its way: collect results now, so a
@@ -296,7 +313,7 @@ class TieringOffloadingManager(OffloadingManager):
             self._flush_staged()
             self._poll()
             if primary.is_ready(key):
-                self._primary_counters.hits += 1
+                self._hit(key)
                 return True
             if key in self._promoting:
                 self._retries += 1
@@ -305,7 +322,7 @@ class TieringOffloadingManager(OffloadingManager):
         elif primary.is_stored_or_in_flight(key):
             # Being stored from the GPU right now: the primary tier's own answer.
             answer = primary.lookup(key, req_context)
-            self._count_answer(answer)
+            self._count_answer(key, answer)
             return answer
         if self._backoff:
             retry_at = self._backoff.get(key)
@@ -394,6 +411,7 @@ class TieringOffloadingManager(OffloadingManager):
         room cannot be made.
         """
         self._check_open()
+        self._end_of_step()
         self._flush_staged()
         if self._jobs and self._primary.num_free() < len(keys):
             self._poll()
@@ -435,12 +453,19 @@ class TieringOffloadingManager(OffloadingManager):
         finished jobs first, so promotions that landed are reported.
         """
         self._check_open()
+        self._end_of_step()
         self._flush_staged()
         self._poll()
         if not self._enable_events:
             self._discard_events()
             return []
         events = list(self._primary.take_events())
+        if self._relabel_primary_events:
+            size = self._event_block_size
+            events = [
+                e if e.block_size == size else dataclasses.replace(e, block_size=size)
+                for e in events
+            ]
         for position, tier in enumerate(self._tiers):
             try:
                 tier_events = list(tier.take_events())
@@ -471,6 +496,7 @@ class TieringOffloadingManager(OffloadingManager):
         self._closed = True
         held: _Holdings | None = None
         try:
+            self._end_of_step()
             self._drop_staged()
             self._drain(time.monotonic() + self._shutdown_timeout_s)
             held = self._holdings()
@@ -482,7 +508,15 @@ class TieringOffloadingManager(OffloadingManager):
                     self._internal_error(f"shutdown of tier {self._tier_counters[position].name}")
                 self._collect_after_shutdown(position, tier)
             self._abandon_jobs()
-            self._final_stats = self._stats_from(held or _Holdings.unknown(len(self._tiers)))
+            tiers_held = held or _Holdings.unknown(len(self._tiers))
+            # The primary tier is still up: its figures after every pin was released.
+            self._final_stats = self._stats_from(
+                dataclasses.replace(
+                    tiers_held,
+                    primary_ready=self._primary.num_ready(),
+                    primary_pinned=self._primary.num_pinned(),
+                )
+            )
             self._metrics.publish(self._final_stats)
             self._metrics.close()
             self._primary.shutdown()
@@ -498,11 +532,13 @@ class TieringOffloadingManager(OffloadingManager):
     def step(self) -> int:
         """Advance background work; call once per scheduler step. Returns jobs finished.
 
-        Submits staged promotions, collects every tier's finished jobs
+        Ends the step (this step's hits become evictable again), submits
+        staged promotions, collects every tier's finished jobs
         (committing promotions, releasing cascade pins), expires failed-
         promotion back-offs, and publishes metrics about once a second.
         """
         self._check_open()
+        self._end_of_step()
         self._flush_staged()
         finished = self._poll()
         now = self._clock()
@@ -538,8 +574,13 @@ class TieringOffloadingManager(OffloadingManager):
         self, key: OffloadKey, position: int, req_context: ReqContext
     ) -> bool | None:
         primary = self._primary
-        if self._jobs and primary.num_free() == 0:
-            self._poll()  # an eviction decision follows: release finished pins first
+        if primary.num_free() == 0:
+            # An eviction decision follows: release finished pins first, and keep this
+            # step's hits (the engine may be about to load them) out of the victims.
+            if self._jobs:
+                self._poll()
+            if primary.num_free() == 0:
+                self._protect_step_hits()
         try:
             output = primary.prepare_store((key,), req_context)
         except Exception:
@@ -554,7 +595,7 @@ class TieringOffloadingManager(OffloadingManager):
         if not output.keys_to_store:
             # The poll above made the key present after all; answer as the primary tier does.
             answer = primary.lookup(key, req_context)
-            self._count_answer(answer)
+            self._count_answer(key, answer)
             return answer
         row = int(_block_ids_of(output.store_spec)[0])
         self._promoting[key] = position
@@ -757,6 +798,8 @@ class TieringOffloadingManager(OffloadingManager):
                     try:
                         drain(max(0.0, deadline - time.monotonic()))
                         waited = True
+                    except TimeoutError:
+                        waited = True  # the deadline passed: the loop above gives up
                     except Exception:
                         self._internal_error(f"drain of tier {self._tier_counters[position].name}")
             if not waited:
@@ -784,9 +827,35 @@ class TieringOffloadingManager(OffloadingManager):
         if self._closed:
             raise TierClosedError("the TieringOffloadingManager has been shut down")
 
-    def _count_answer(self, answer: bool | None) -> None:
+    def _hit(self, key: OffloadKey) -> None:
+        self._primary_counters.hits += 1
+        if key not in self._step_hits:
+            self._step_hits.add(key)
+            self._unpinned_hits.append(key)
+
+    def _protect_step_hits(self) -> None:
+        """Pin this step's hits before an eviction for a promotion (one call for all)."""
+        if not self._unpinned_hits:
+            return
+        primary = self._primary
+        hits = [k for k in self._unpinned_hits if primary.is_ready(k)]
+        self._unpinned_hits.clear()
+        if hits:
+            primary.prepare_load(hits, NO_CONTEXT)
+            self._pinned_hits.extend(hits)
+
+    def _end_of_step(self) -> None:
+        """The engine has taken what it needed from this step's hits: release their pins."""
+        if self._step_hits:
+            self._step_hits.clear()
+            self._unpinned_hits.clear()
+            if self._pinned_hits:
+                pinned, self._pinned_hits = self._pinned_hits, []
+                self._primary.complete_load(pinned)
+
+    def _count_answer(self, key: OffloadKey, answer: bool | None) -> None:
         if answer is True:
-            self._primary_counters.hits += 1
+            self._hit(key)
         elif answer is None:
             self._retries += 1
         else:
@@ -821,12 +890,9 @@ class TieringOffloadingManager(OffloadingManager):
         held: list[int | None] = []
         capacities: list[int | None] = []
         for tier in self._tiers:
-            try:
-                held.append(tier.get_num_blocks())
-            except Exception:
-                held.append(None)
-            capacity = getattr(tier, "capacity_blocks", None)
-            capacities.append(capacity if isinstance(capacity, int) else None)
+            blocks, capacity = _tier_holdings(tier)
+            held.append(blocks)
+            capacities.append(capacity)
         return _Holdings(
             primary_ready=primary.num_ready(),
             primary_pinned=primary.num_pinned(),
@@ -872,6 +938,20 @@ class _Holdings:
     @classmethod
     def unknown(cls, num_tiers: int) -> _Holdings:
         return cls(0, 0, [None] * num_tiers, [None] * num_tiers)
+
+
+def _tier_holdings(tier: SecondaryTierManager) -> tuple[int | None, int | None]:
+    """Blocks held and capacity of a tier, from its ``stats()`` snapshot where it has one."""
+    try:
+        stats = getattr(tier, "stats", None)
+        snapshot = stats() if callable(stats) else None
+        held = getattr(snapshot, "blocks_held", None)
+        if not isinstance(held, int):
+            held = tier.get_num_blocks()
+        capacity = getattr(snapshot, "capacity_blocks", getattr(tier, "capacity_blocks", None))
+    except Exception:
+        return None, None
+    return held, capacity if isinstance(capacity, int) else None
 
 
 def _tier_names(tiers: Sequence[SecondaryTierManager]) -> list[str]:
