@@ -21,7 +21,8 @@ class CorruptingMemoryTier(FaultyTier):
 
 
 class SlowMemoryTier(FaultyTier):
-    """Delays every read by ``delay_s`` seconds (promotions land late)."""
+    """Delays every ``ops`` operation (comma-separated: "read", "write") by ``delay_s`` seconds."""
 
-    def __init__(self, delay_s: float = 0.2) -> None:
-        super().__init__(MemoryTier(), FaultPlan(delay_rate=1.0, delay_s=delay_s, ops={"read"}))
+    def __init__(self, delay_s: float = 0.2, ops: str = "read") -> None:
+        plan = FaultPlan(delay_rate=1.0, delay_s=delay_s, ops=set(ops.split(",")))
+        super().__init__(MemoryTier(), plan)

@@ -313,3 +313,27 @@ def test_ctrl_c_stops_cleanly_with_a_partial_report() -> None:
     assert 0 < report["trace"]["requests_replayed"] < report["trace"]["requests"] == 50000
     assert report["overhead"]["drained"]
     assert report["verification"]["mismatches"] == 0
+
+
+def test_a_yaml_config_in_vllms_shape_builds_the_stack(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "kv.yaml"
+    config.write_text(
+        "kv_connector: OffloadingConnector\n"
+        "kv_connector_extra_config:\n"
+        "  cpu_bytes_to_use: 1048576\n"
+        "  block_size: 16\n"
+        "  eviction_policy: arc\n"
+        "  secondary_tiers:\n"
+        "    - {type: memory, capacity_blocks: 100, name: warm}\n"
+        "    - {type: memory}\n"
+    )
+    assert main(["replay", *SMALL, "--config", str(config), "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    setup = report["setup"]
+    assert setup["eviction_policy"] == "arc" and setup["cpu_blocks"] == 128
+    assert setup["ignored_config_keys"] == ["block_size"]
+    assert [t["name"] for t in report["tiers"]][1:] == ["cpu", "memory#0", "memory#1"]
+    assert report["tiers"][2]["capacity_blocks"] == 100
+    assert report["hit_rate"]["total"] == pytest.approx(report["hit_rate"]["unlimited"], abs=0.001)

@@ -134,6 +134,22 @@ def test_promotions_slower_than_the_timeout_become_misses() -> None:
     assert totals.requests_done == len(requests)
 
 
+def test_stores_refused_while_cascades_pin_the_cpu_tier_wait_for_them_or_are_dropped() -> None:
+    requests = SyntheticWorkload(num_requests=30, seed=9).generate()
+    config = {
+        "cpu_bytes_to_use": 48 * BLOCK,
+        "secondary_tiers": [
+            {"type": "tests.replay_faults:SlowMemoryTier", "delay_s": 0.02, "ops": "write"}
+        ],
+    }
+    impatient, _ = replay(config, requests, store_wait_s=0)
+    assert impatient.store_rejected_blocks > 0 and not impatient.store_stalls.samples
+    patient, _ = replay(config, requests, store_wait_s=30)
+    assert patient.store_rejected_blocks == 0 and patient.store_stalls.samples
+    assert patient.blocks_stored > impatient.blocks_stored
+    assert patient.mismatches == impatient.mismatches == 0
+
+
 def test_a_stop_request_ends_the_run_early_and_cleanly() -> None:
     requests = SyntheticWorkload(num_requests=300, seed=1).generate()
     with stack_for(

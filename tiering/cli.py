@@ -261,6 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds a request waits for promotions before loading what has landed",
     )
+    replay.add_argument(
+        "--store-wait",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds a store refused for lack of room (every CPU block pinned by in-flight "
+        "cascades) waits for them before its blocks are dropped (default 5; 0 drops at once, "
+        "as an overloaded engine would)",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.add_argument(
         "--output", type=Path, metavar="FILE", help="also write the JSON report to FILE"
@@ -479,6 +488,7 @@ def run_replay(args: argparse.Namespace) -> int:
                 promotion_timeout_s=args.promotion_timeout,
                 should_stop=stop.is_set,
                 store_chunk_blocks=args.chunk_blocks,
+                store_wait_s=args.store_wait,
             )
             logger.info(
                 "replaying %d requests of %s (Ctrl-C stops with a partial report)",
@@ -486,7 +496,7 @@ def run_replay(args: argparse.Namespace) -> int:
                 workload.name,
             )
             with _progress(err, args.no_progress) as progress:
-                task = progress.add_task(f"replay {workload.name}", total=total, status="")
+                task = progress.add_task("replay", total=total, status="")
 
                 def on_progress(totals: ReplayTotals) -> None:
                     hit = sum(t.tokens for t in totals.hits.values())
@@ -514,6 +524,7 @@ def run_replay(args: argparse.Namespace) -> int:
         "secondary_summary": [tier_summary(t) for t in extra.get("secondary_tiers", [])],
         "promotion_timeout_s": args.promotion_timeout,
         "store_chunk_blocks": args.chunk_blocks,
+        "store_wait_s": args.store_wait,
         "ignored_config_keys": ignored,
     }
     report = build_report(
@@ -602,7 +613,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     stop = threading.Event()
     steps = len(set(capacities)) * (len(policies) + 1)
     with _progress(err, args.no_progress) as progress, _stop_on_sigint(stop):
-        task = progress.add_task(f"sweep {workload.name}", total=steps, status="")
+        task = progress.add_task("sweep", total=steps, status="")
 
         def on_step(name: str, capacity: int) -> None:
             progress.update(task, advance=1, status=f"{name} @ {capacity:,} blocks")

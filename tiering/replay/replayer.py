@@ -13,7 +13,9 @@ Per request, as vLLM's scheduler and offloading connector would:
 4. the blocks after the hit are "computed" in prefill chunks (``store_chunk_blocks``,
    one scheduler step each): ``prepare_store`` reserves primary rows, the GPU side
    writes the bytes into them, ``complete_store`` makes them readable (and cascades
-   them to the secondary tiers);
+   them to the secondary tiers). A store refused because in-flight cascades pin the
+   whole primary tier is retried while they finish (bounded: ``store_wait_s``), as
+   the time an engine spends computing would have let them finish;
 5. the manager is stepped once (one scheduler step per request).
 
 Wall time is split between the simulated GPU side (prefix cache, filling and
@@ -27,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tiering.contract import OffloadingManager
+from tiering.contract import OffloadingManager, PrepareStoreOutput
 from tiering.errors import ContractError
 from tiering.jobs import SecondaryTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey
@@ -46,6 +48,7 @@ CPU = "cpu"
 PHASE_GPU = "gpu_side"
 PHASE_TIER = "tier_work"
 PHASE_PROMOTION_WAIT = "promotion_wait"  # part of the tier work
+PHASE_STORE_STALL = "store_stall"  # part of the tier work
 PHASE_DRAIN = "drain"
 
 _POLL_SLEEP_MIN_S = 20e-6
@@ -126,6 +129,7 @@ class ReplayTotals:
     store_latency: LatencySamples = field(default_factory=LatencySamples)
     load_latency: LatencySamples = field(default_factory=LatencySamples)
     promotion_latency: LatencySamples = field(default_factory=LatencySamples)
+    store_stalls: LatencySamples = field(default_factory=LatencySamples)
     clock: PhaseClock = field(default_factory=PhaseClock)
     wall_s: float = 0.0
     interrupted: bool = False
@@ -151,12 +155,16 @@ class Replayer:
         drain_timeout_s: float = 60.0,
         should_stop: Callable[[], bool] | None = None,
         store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
+        store_wait_s: float = 5.0,
     ) -> None:
         if promotion_timeout_s <= 0:
             raise ValueError(f"promotion_timeout_s must be positive, got {promotion_timeout_s}")
         if store_chunk_blocks <= 0:
             raise ValueError(f"store_chunk_blocks must be positive, got {store_chunk_blocks}")
+        if store_wait_s < 0:
+            raise ValueError(f"store_wait_s must be >= 0, got {store_wait_s}")
         self.store_chunk_blocks = store_chunk_blocks
+        self.store_wait_s = store_wait_s
         self.stack = stack
         self.gpu = GPUPrefixCache(gpu_blocks)
         self.block_tokens = block_tokens
@@ -380,6 +388,8 @@ class Replayer:
         perf = time.perf_counter
         t0 = perf()
         output = manager.prepare_store(keys, NO_CONTEXT)
+        if output is None:
+            output = self._wait_for_room(keys)
         t1 = perf()
         clock.add(PHASE_TIER, t1 - t0)
         if output is None:
@@ -401,6 +411,35 @@ class Replayer:
         clock.add(PHASE_TIER, t3 - t2)
         totals.store_latency.add(t3 - t0)
         totals.blocks_stored += len(to_store)
+
+    def _wait_for_room(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """Retry a refused store while tier jobs that pin primary blocks are in flight.
+
+        The replay runs requests back to back, far faster than an engine computes
+        them; when cascades to slow tiers pin the whole primary tier, an engine
+        would have spent that time computing. Waiting (at most ``store_wait_s``,
+        and only while jobs are in flight) keeps the hit rates about capacity,
+        not about the replay's pace; the time waited is reported as stalls.
+        """
+        if self.store_wait_s <= 0:
+            return None
+        totals = self.totals
+        perf = time.perf_counter
+        start = perf()
+        deadline = start + self.store_wait_s
+        pause = _POLL_SLEEP_MIN_S
+        output: PrepareStoreOutput | None = None
+        while perf() < deadline and self.stack.stats().jobs_in_flight:
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_SLEEP_MAX_S)
+            self.stack.step()
+            output = self.stack.manager.prepare_store(keys, NO_CONTEXT)
+            if output is not None:
+                break
+        waited = perf() - start
+        totals.store_stalls.add(waited)
+        totals.clock.add(PHASE_STORE_STALL, waited)
+        return output
 
     def _drain(self) -> bool:
         """Step the manager until no tier job is in flight (bounded); True if drained."""

@@ -20,6 +20,7 @@ from tiering.replay.replayer import (
     PHASE_DRAIN,
     PHASE_GPU,
     PHASE_PROMOTION_WAIT,
+    PHASE_STORE_STALL,
     PHASE_TIER,
     ReplayTotals,
 )
@@ -218,6 +219,7 @@ def build_report(
             "promotion_wait": _latency(
                 totals.promotion_latency, totals.blocks_promoted_used, block_bytes
             ),
+            "store_stall": _latency(totals.store_stalls, 0, block_bytes),
         },
         "failures": failures,
         "verification": {
@@ -233,6 +235,7 @@ def build_report(
             "gpu_side_s": gpu_side,
             "tier_work_s": tier_work,
             "promotion_wait_s": clock.get(PHASE_PROMOTION_WAIT),
+            "store_stall_s": clock.get(PHASE_STORE_STALL),
             "drain_s": drain,
             "drained": totals.drained,
             "other_s": other,
@@ -322,6 +325,7 @@ _OPERATIONS = {
     "store_gpu_to_cpu": "store GPU->CPU",
     "load_cpu_to_gpu": "load CPU->GPU",
     "promotion_wait": "promotion wait",
+    "store_stall": "store stall",
 }
 
 
@@ -329,9 +333,10 @@ def _latency_table(report: Mapping[str, Any]) -> Table:
     table = Table(
         title="Transfers as the scheduler sees them (per request)",
         title_justify="left",
-        caption="store = prepare_store + copy + complete_store; load = prepare_load + byte "
-        "verification + complete_load; promotion wait = first 'retry later' until every "
-        "promoted block landed",
+        caption="store = prepare_store + copy + complete_store (per prefill chunk); load = "
+        "prepare_load + byte verification + complete_load; promotion wait = first 'retry "
+        "later' until every promoted block landed; store stall = a refused store waiting for "
+        "in-flight cascades to free primary blocks",
         caption_justify="left",
     )
     for column in (
@@ -415,7 +420,8 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
             f"{overhead['gpu_side_s']:.2f} s ({_pct(overhead['gpu_side_fraction'])}) + tier work "
             f"{overhead['tier_work_s'] + overhead['drain_s']:.2f} s "
             f"({_pct(overhead['tier_work_fraction'])}; of which promotion waits "
-            f"{overhead['promotion_wait_s']:.2f} s, final drain {overhead['drain_s']:.2f} s) + "
+            f"{overhead['promotion_wait_s']:.2f} s, store stalls "
+            f"{overhead['store_stall_s']:.2f} s, final drain {overhead['drain_s']:.2f} s) + "
             f"replay bookkeeping {overhead['other_s']:.2f} s.",
         )
     )
