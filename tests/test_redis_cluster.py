@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +81,48 @@ async def test_cluster_down_at_start_fails_clearly() -> None:
         with pytest.raises(RedisTierUnavailable, match="unreachable"):
             await tier.open(context())
     await tier.aclose()
+
+
+async def test_cluster_node_restart_fails_its_keys_cleanly_then_recovers(tmp_path: Path) -> None:
+    cluster = RedisClusterServers(tmp_path).start()
+    try:
+        async with asyncio.timeout(60):
+            async with opened_tier(
+                cluster.url,
+                cluster=True,
+                op_timeout_s=1,
+                connect_timeout_s=0.5,
+                reconnect_interval_s=0.05,
+                max_reconnect_interval_s=0.2,
+            ) as tier:
+                keys, blocks = new_keys(30), new_blocks(30)
+                await tier.write_many(keys, views(blocks))
+                with cluster.nodes[2].client() as raw:
+                    held = set(raw.keys("*"))
+                on_victim = {k for k in keys if tier._require_layout().redis_key(k) in held}
+                assert on_victim and len(on_victim) < 30
+
+                cluster.nodes[2].kill()
+                out = new_blocks(30)
+                with pytest.raises(PartialBatchError) as caught:
+                    await tier.read_many(keys, views(out))
+                assert on_victim <= set(caught.value.errors), "the dead node's keys fail"
+                assert all(
+                    isinstance(e, RedisTierUnavailable) for e in caught.value.errors.values()
+                )
+                for i, key in enumerate(keys):
+                    if key in caught.value.succeeded:
+                        assert out[i] == blocks[i]
+
+                cluster.nodes[2].start()  # rejoins with its slots, without its data
+                while True:
+                    try:
+                        await tier.write_many(keys, views(blocks))
+                        break
+                    except PartialBatchError:
+                        await asyncio.sleep(0.1)
+                out = new_blocks(30)
+                await tier.read_many(keys, views(out))
+                assert out == blocks
+    finally:
+        cluster.stop()

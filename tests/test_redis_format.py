@@ -12,7 +12,7 @@ from tiering.errors import ConfigError, CorruptBlock
 from tiering.keys import make_offload_key
 from tiers.redis import HEADER_LEN, BlockLayout, RedisTier, RedisTierConfig
 from tiers.redis.gate import ReconnectGate
-from tiers.redis.layout import MAGIC
+from tiers.redis.layout import MAGIC, ValueBuffers
 
 BLOCK = 256
 KEY = make_offload_key(b"\x01" * 32, 3)
@@ -255,3 +255,21 @@ def test_gate_invariants(events: list[str]) -> None:
         else:
             clock.now += 1.0
         assert 0.0 <= gate.seconds_until_probe() <= 4.0
+
+
+def test_encode_into_a_reused_buffer_matches_encode() -> None:
+    value = bytearray(b"\xff" * (HEADER_LEN + BLOCK))
+    view = layout().encode_into(KEY, memoryview(payload(3)), value)
+    assert bytes(view) == layout().encode(KEY, memoryview(payload(3)))
+    with pytest.raises(ValueError, match="value buffer"):
+        layout().encode_into(KEY, memoryview(payload()), bytearray(BLOCK))
+
+
+def test_value_buffers_are_reused_up_to_a_bound() -> None:
+    pool = ValueBuffers(size=64, max_retained=2)
+    taken = [pool.take() for _ in range(3)]
+    assert all(len(b) == 64 for b in taken)
+    pool.give_back(taken)
+    assert pool.retained == 2
+    reused = pool.take()
+    assert any(reused is b for b in taken[:2]), "a retained buffer is handed out again"

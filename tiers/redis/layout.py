@@ -70,10 +70,24 @@ class BlockLayout:
         return b"%s{%s}" % (self.prefix, key.hex().encode())
 
     def encode(self, key: OffloadKey, data: memoryview) -> bytes:
-        """Header plus ``data`` as one value (the only copy on the store path)."""
+        """Header plus ``data`` as one new value."""
+        value = bytearray(self.value_len)
+        self.encode_into(key, data, value)
+        return bytes(value)
+
+    def encode_into(self, key: OffloadKey, data: memoryview, value: bytearray) -> memoryview:
+        """Write header plus ``data`` into ``value`` (``value_len`` bytes); a view of it.
+
+        The only copy of the block on the store path: redis-py sends the view
+        as it is.
+        """
         if data.nbytes != self.block_bytes:
             raise ValueError(f"block is {data.nbytes} bytes, this tier stores {self.block_bytes}")
-        header = _HEADER.pack(
+        if len(value) != self.value_len:
+            raise ValueError(f"value buffer is {len(value)} bytes, need {self.value_len}")
+        _HEADER.pack_into(
+            value,
+            0,
             MAGIC,
             FORMAT_VERSION,
             0,
@@ -83,7 +97,9 @@ class BlockLayout:
             self.block_bytes,
             xxhash.xxh3_64_intdigest(data),
         )
-        return b"".join((header, data))
+        view = memoryview(value)
+        view[HEADER_LEN:] = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+        return view
 
     def decode_into(self, key: OffloadKey, value: bytes, into: memoryview) -> None:
         """Verify ``value`` as ``key``'s block and copy its bytes into ``into``.
@@ -122,3 +138,30 @@ class BlockLayout:
         if into.format != "B" or into.ndim != 1:
             into = into.cast("B")
         into[:] = payload
+
+
+class ValueBuffers:
+    """Reusable ``bytearray`` s of one size for encoding stored values.
+
+    A fresh allocation per stored block would be returned to the OS after
+    each job and page-faulted back in for the next, costing about as much as
+    the copy itself for large blocks. Keeps at most ``max_retained``.
+    Owned by the tier's loop thread.
+    """
+
+    def __init__(self, size: int, max_retained: int) -> None:
+        self.size = size
+        self.max_retained = max(0, max_retained)
+        self._free: list[bytearray] = []
+
+    def take(self) -> bytearray:
+        return self._free.pop() if self._free else bytearray(self.size)
+
+    def give_back(self, buffers: list[bytearray]) -> None:
+        room = self.max_retained - len(self._free)
+        if room > 0:
+            self._free.extend(buffers[:room])
+
+    @property
+    def retained(self) -> int:
+        return len(self._free)

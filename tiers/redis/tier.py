@@ -33,7 +33,7 @@ from tiers.redis.connection import (
 )
 from tiers.redis.errors import RedisTierCommandError, RedisTierTimeout, RedisTierUnavailable
 from tiers.redis.gate import ReconnectGate
-from tiers.redis.layout import BlockLayout
+from tiers.redis.layout import BlockLayout, ValueBuffers
 from tiers.redis.stats import RedisTierStats
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class RedisTier(AsyncTier):
         self._client: RedisClient | None = None
         self._layout: BlockLayout | None = None
         self._connections: asyncio.Semaphore | None = None
+        self._buffers: ValueBuffers | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -94,6 +95,10 @@ class RedisTier(AsyncTier):
             self.config.namespace, context.layout_fingerprint, context.block_bytes
         )
         self._connections = asyncio.Semaphore(self.config.max_connections)
+        # Enough reusable value buffers for one full pipeline.
+        self._buffers = ValueBuffers(
+            self._layout.value_len, self.config.max_pipeline_bytes // self._layout.value_len
+        )
         self._client = build_client(self.config)
         try:
             async with asyncio.timeout(self._round_trip_budget_s):
@@ -275,14 +280,16 @@ class RedisTier(AsyncTier):
         ttl_ms = self.config.ttl_ms
         errors: dict[bytes, BaseException] = {}
         succeeded: list[bytes] = []
+        buffers = self._require_buffers()
         for lo, hi in self._chunks(len(keys)):
             chunk = keys[lo:hi]
+            taken = [buffers.take() for _ in chunk]
             commands = [
-                (layout.redis_key(k), layout.encode(k, d))
-                for k, d in zip(chunk, data[lo:hi], strict=True)
+                (layout.redis_key(k), layout.encode_into(k, d, value))
+                for k, d, value in zip(chunk, data[lo:hi], taken, strict=True)
             ]
 
-            def fill(pipe: Any, commands: list[tuple[bytes, bytes]] = commands) -> None:
+            def fill(pipe: Any, commands: list[tuple[bytes, memoryview]] = commands) -> None:
                 for name, value in commands:
                     pipe.set(name, value, px=ttl_ms)
 
@@ -291,6 +298,18 @@ class RedisTier(AsyncTier):
             except Exception as exc:
                 errors.update(dict.fromkeys(chunk, exc))
                 continue
+            finally:
+                # redis-py has sent (copied) the values once the round trip is over.
+                # Released views make any reference it kept fail loudly instead of
+                # reading a reused buffer; a buffer still exported is not reused.
+                reusable = []
+                for (_, view), value in zip(commands, taken, strict=True):
+                    try:
+                        view.release()
+                    except BufferError:
+                        continue
+                    reusable.append(value)
+                buffers.give_back(reusable)
             for key, reply in zip(chunk, replies, strict=True):
                 if isinstance(reply, BaseException):
                     errors[key] = self._translate(reply, "SET", key)
@@ -338,6 +357,11 @@ class RedisTier(AsyncTier):
             return
 
     # -- internals -------------------------------------------------------------------------
+
+    def _require_buffers(self) -> ValueBuffers:
+        if self._buffers is None:
+            raise RuntimeError("RedisTier has not been opened")
+        return self._buffers
 
     def _require_layout(self) -> BlockLayout:
         if self._layout is None:
