@@ -112,7 +112,7 @@ def host_rows_for(block: int, layers: int, job_bytes: int, reps: int) -> list[tu
         try:
             runner = JobRunner(worker, num_gpu, num_cpu, per_job)
             for label, store in (("store", True), ("load", False)):
-                seconds = median_seconds(lambda store=store: runner.run(store), reps)
+                seconds = median_seconds(lambda s=store, r=runner: r.run(s), reps)
                 moved = per_job * block
                 memcpy_s = memcpy_seconds(moved, reps)  # the ceiling, right beside the row
                 gbps = moved / seconds / 1e9
@@ -175,7 +175,7 @@ def cuda_rows(job_bytes: int, reps: int) -> list[tuple[str, ...]]:
                 try:
                     runner = JobRunner(worker, num_gpu, num_cpu, per_job)
                     for label, store in (("store", True), ("load", False)):
-                        seconds = median_seconds(lambda store=store: runner.run(store), reps)
+                        seconds = median_seconds(lambda s=store, r=runner: r.run(s), reps)
                         gbps = per_job * block / seconds / 1e9
                         ceiling = ceilings[store]
                         rows.append(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiering.copy.layout import KVLayout
@@ -103,12 +102,3 @@ class CopyEngine(ABC):
 
         Jobs still unfinished at the deadline finish as failed. Idempotent.
         """
-
-    def wait_all(self, jobs: Sequence[CopyJob], timeout: float | None = None) -> bool:
-        """Wait for every job in ``jobs``; True if all finished within ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for job in jobs:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not job.wait(left):
-                return False
-        return True

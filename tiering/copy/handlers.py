@@ -212,12 +212,16 @@ class TransferHandler(OffloadingHandler):
         """Jobs submitted whose results were not yet returned by ``get_finished``."""
         return len(self._jobs)
 
+    def close(self) -> None:
+        """Stop accepting jobs (without waiting for those in flight). Idempotent."""
+        self._closed = True
+
     def shutdown(self, timeout: float | None = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         """Stop accepting jobs and wait up to ``timeout`` s for this handler's jobs.
 
         Results of the jobs that finished stay available from :meth:`get_finished`.
         """
-        self._closed = True
+        self.close()
         try:
             self.wait(list(self._jobs), timeout)
         except TimeoutError:
@@ -302,7 +306,7 @@ class CopyWorker:
             return
         self._closed = True
         for handler in self._handlers:
-            handler._closed = True
+            handler.close()
         self.engine.shutdown(timeout)
 
 

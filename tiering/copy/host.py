@@ -18,6 +18,7 @@ that runs torch CPU copies of its own on these buffers should call
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import queue
@@ -88,8 +89,6 @@ class HostCopyJob(CopyJob):
 
         Cancellation only stops the waiting: the copy itself runs on.
         """
-        import asyncio
-
         if self.done():
             return self.outcome()
         loop = asyncio.get_running_loop()
@@ -131,6 +130,7 @@ class _LaneThread:
                 return
             for dep in job.depends_on:
                 dep.wait()
+            job.depends_on = ()  # finished jobs must not keep chains of earlier ones alive
             if job.done():  # failed by shutdown while queued
                 continue
             start = time.perf_counter()
