@@ -390,7 +390,6 @@ class CudaCopyEngine(CopyEngine):
                 f"the host buffer is {host_arr.shape[0]} x {host_arr.shape[1]} bytes, the "
                 f"layout says {layout.cpu_num_blocks} x {layout.cpu_block_bytes}"
             )
-        self._host_array = host_arr
         self._host = torch.from_numpy(host_arr.view(np.int8))
         self._host_flat = _flat(self._host)
         self._host_ptr = int(self._host.data_ptr())
@@ -556,6 +555,9 @@ class CudaCopyEngine(CopyEngine):
         else:
             self._mapped = None
             self._release_pin()
+            # Drop the views so the KV tensors and the shared mapping can be freed.
+            self._gpu, self._gpu_flat = [], []
+            self._host = self._host_flat = torch.empty(0, dtype=torch.int8)
 
     def __repr__(self) -> str:
         return (

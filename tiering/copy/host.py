@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from tiering.copy.arrays import ByteArray, block_rows, flat_bytes, host_rows
 from tiering.copy.engine import CopyEngine, CopyJob, CopyOutcome
 from tiering.copy.layout import KVLayout
@@ -248,6 +250,11 @@ class HostCopyEngine(CopyEngine):
                 timeout or 0.0,
             )
         self._in_flight.clear()
+        if not any(lane.thread.is_alive() for lane in self._lanes.values()):
+            # Drop the views so the KV arrays and the shared mapping can be freed.
+            empty = np.empty((0, 0), dtype=np.uint8)
+            self._gpu, self._gpu_flat = [], []
+            self._host, self._host_flat = empty, empty.reshape(-1)
 
     def __repr__(self) -> str:
         return (
