@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -82,11 +83,67 @@ def free_port(*, with_cluster_bus: bool = False) -> int:
     raise RuntimeError("no free loopback port found")
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throwaway CA and the server and client certificates it signed (PEM files)."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _openssl() -> str:
+    found = shutil.which("openssl")
+    if found:
+        return found
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        pytest.fail("openssl is not installed; install it with: apt-get install -y openssl")
+    subprocess.run([apt, "install", "-y", "-qq", "openssl"], capture_output=True, check=False)
+    found = shutil.which("openssl")
+    if not found:
+        pytest.fail("openssl still missing after apt-get install openssl")
+    return found
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """Generate a CA, a server certificate for 127.0.0.1 and a client certificate."""
+    openssl = _openssl()
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        done = subprocess.run([openssl, *args], cwd=directory, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"openssl {' '.join(args)} failed: {done.stderr}")
+
+    # EC keys: generated in milliseconds, where RSA takes most of a second each.
+    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *new_key, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=kv-tiering test CA")  # fmt: skip
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for who in ("server", "client"):
+        run("req", *new_key, "-keyout", f"{who}.key", "-out", f"{who}.csr",
+            "-subj", f"/CN={who}")  # fmt: skip
+        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{who}.crt", "-days", "2",
+            "-extfile", "san.cnf")  # fmt: skip
+    return TlsFiles(
+        ca_cert=directory / "ca.crt",
+        server_cert=directory / "server.crt",
+        server_key=directory / "server.key",
+        client_cert=directory / "client.crt",
+        client_key=directory / "client.key",
+    )
+
+
 class RedisServer:
     """One ``redis-server`` process on 127.0.0.1 that a test can stop, kill and restart.
 
     ``extra_args`` are passed to ``redis-server`` (e.g. ``["--maxmemory", "2mb"]``).
-    Restarts reuse the port, so clients reconnect to the same url.
+    Restarts reuse the port, so clients reconnect to the same url. With ``tls``
+    the server listens only for TLS (``rediss://``) and requires client certificates.
     """
 
     def __init__(
@@ -96,8 +153,10 @@ class RedisServer:
         port: int | None = None,
         extra_args: Sequence[str] = (),
         cluster_node: bool = False,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.server_bin, self.cli_bin = redis_binaries()
+        self.tls = tls
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port if port is not None else free_port(with_cluster_bus=cluster_node)
@@ -107,7 +166,8 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -115,14 +175,37 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         """A synchronous raw client (for tests that poke the server directly)."""
+        tls: dict[str, object] = {}
+        if self.tls is not None:
+            tls = {
+                "ssl": True,
+                "ssl_ca_certs": str(self.tls.ca_cert),
+                "ssl_certfile": str(self.tls.client_cert),
+                "ssl_keyfile": str(self.tls.client_key),
+            }
         return redis.Redis(
-            host="127.0.0.1", port=self.port, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+            host="127.0.0.1",
+            port=self.port,
+            socket_timeout=5,
+            retry=Retry(NoBackoff(), 0),
+            **tls,  # type: ignore[arg-type]
         )
 
     def start(self) -> RedisServer:
+        if self.tls is None:
+            listen = ["--port", str(self.port)]
+        else:
+            listen = [
+                "--port", "0",
+                "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls.server_cert),
+                "--tls-key-file", str(self.tls.server_key),
+                "--tls-ca-cert-file", str(self.tls.ca_cert),
+                "--tls-auth-clients", "yes",
+            ]  # fmt: skip
         args = [
             self.server_bin,
-            "--port", str(self.port),
+            *listen,
             "--bind", "127.0.0.1",
             "--dir", str(self.workdir),
             "--save", "",
@@ -287,9 +370,11 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
     started: list[RedisServer] = []
     with tempfile.TemporaryDirectory(prefix="kvt-redis-") as workdir:
 
-        def start(*, extra_args: Sequence[str] = (), port: int | None = None) -> RedisServer:
+        def start(
+            *, extra_args: Sequence[str] = (), port: int | None = None, tls: TlsFiles | None = None
+        ) -> RedisServer:
             server = RedisServer(
-                Path(workdir) / str(len(started)), port=port, extra_args=extra_args
+                Path(workdir) / str(len(started)), port=port, extra_args=extra_args, tls=tls
             )
             started.append(server)
             return server.start()
@@ -310,3 +395,20 @@ def redis_cluster() -> Iterator[RedisClusterServers]:
             yield cluster
         finally:
             cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_files() -> Iterator[TlsFiles]:
+    """A CA with server and client certificates, made once per session."""
+    with tempfile.TemporaryDirectory(prefix="kvt-redis-tls-") as workdir:
+        yield make_tls_files(Path(workdir))
+
+
+@pytest.fixture
+def tls_redis_server(tls_files: TlsFiles) -> Iterator[RedisServer]:
+    """A fresh redis-server that speaks only TLS and requires client certificates."""
+    with (
+        tempfile.TemporaryDirectory(prefix="kvt-redis-") as workdir,
+        RedisServer(Path(workdir), tls=tls_files) as server,
+    ):
+        yield server

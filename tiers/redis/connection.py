@@ -7,6 +7,7 @@ unreachable, timed out, refused.
 
 from __future__ import annotations
 
+import ssl
 from typing import Any, TypeAlias
 
 import redis.exceptions as rexc
@@ -74,6 +75,18 @@ def build_client(config: RedisTierConfig) -> RedisClient:
 def is_credentials_error(exc: BaseException) -> bool:
     """Whether ``exc`` is the server rejecting who we are (not an outage)."""
     return isinstance(exc, _CREDENTIALS)
+
+
+def tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind ``exc`` (redis-py wraps it in a ConnectionError), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def is_unreachable(exc: BaseException) -> bool:

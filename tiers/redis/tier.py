@@ -29,6 +29,7 @@ from tiers.redis.connection import (
     build_client,
     is_credentials_error,
     is_unreachable,
+    tls_failure,
     translate,
 )
 from tiers.redis.errors import RedisTierCommandError, RedisTierTimeout, RedisTierUnavailable
@@ -88,7 +89,8 @@ class RedisTier(AsyncTier):
         With ``on_start_unreachable="fail"`` (the default) an unreachable
         server raises :class:`RedisTierUnavailable`; with ``"degrade"`` the tier
         opens anyway, reports misses and keeps retrying the connection.
-        Rejected credentials always raise. Cancellation: the client is closed.
+        Rejected credentials and failed TLS handshakes always raise
+        :class:`RedisTierCommandError`. Cancellation: the client is closed.
         """
         await super().open(context)
         self._layout = BlockLayout(
@@ -108,7 +110,7 @@ class RedisTier(AsyncTier):
                 isinstance(exc, Exception)
                 and self.config.on_start_unreachable == "degrade"
                 and is_unreachable(exc)
-                and not is_credentials_error(exc)
+                and tls_failure(exc) is None
             )
             if not degrade:
                 await self.aclose()
@@ -137,6 +139,12 @@ class RedisTier(AsyncTier):
         if is_credentials_error(exc):
             return RedisTierCommandError(
                 f"{where}: the server rejected the credentials ({exc}); check username/password"
+            )
+        tls_error = tls_failure(exc)
+        if tls_error is not None:
+            return RedisTierCommandError(
+                f"{where}: the TLS handshake failed ({tls_error}); check ssl_ca_certs, "
+                "ssl_certfile, ssl_keyfile and the server's tls-* settings"
             )
         if is_unreachable(exc):
             return RedisTierUnavailable(
