@@ -18,6 +18,7 @@ thread; only the engine's completion state is shared with other threads.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator, Sequence
@@ -123,8 +124,10 @@ class TransferHandler(OffloadingHandler):
         """
         if self._closed:
             raise TierClosedError(f"the {self.lane.value} handler was shut down")
-        if isinstance(job_id, bool) or not isinstance(job_id, int):
-            raise ContractError(f"job_id must be an int, got {job_id!r}")
+        raw: object = job_id  # vLLM passes ints; numpy integers are fine too
+        if isinstance(raw, bool) or not isinstance(raw, numbers.Integral):
+            raise ContractError(f"job_id must be an int, got {raw!r}")
+        job_id = int(raw)
         if job_id in self._job_ids.ids:
             raise ContractError(f"job {job_id} is already in flight")
         for spec, want, role in (
