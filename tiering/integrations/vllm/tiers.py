@@ -1,0 +1,363 @@
+"""kv-tiering's async tiers as vLLM 0.33 secondary tiers.
+
+vLLM's ``TieringOffloadingManager`` loads an out-of-tree tier from a
+``secondary_tiers`` entry ``{"type": "<Class>", "module_path": "<module>",
+**kwargs}`` and constructs ``Class(offloading_spec=..., primary_kv_view=...,
+tier_type=..., backpressure_detector=..., **kwargs)``. Each class here is such
+a tier: a subclass of vLLM's ``SecondaryTierManager`` that runs one of our
+:class:`~tiering.tier.AsyncTier` s on its own event-loop thread through our
+runtime (:class:`~tiering.runtime.AsyncTierManager`, built by
+:func:`tiering.registry.create_secondary_tier`) and translates vLLM's contract
+to ours. Every method runs under vLLM's manager lock and returns at once,
+except ``drain_jobs`` (blocks by contract) and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiering.errors import ConfigError, TierClosedError
+from tiering.integrations.vllm import translate
+from tiering.keys import OffloadKey
+from tiering.registry import create_secondary_tier
+from tiering.runtime import AsyncTierManager, TierStats
+
+logger = logging.getLogger("tiering.integrations.vllm")
+
+#: Import path users put in ``module_path``.
+MODULE_PATH = "tiering.integrations.vllm"
+
+#: How long a block whose promotion failed answers MISS (see ``failed_load_backoff_s``).
+DEFAULT_FAILED_LOAD_BACKOFF_S = 10.0
+
+_HIT_SOURCE = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}
+
+
+class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped here
+    """Any kv-tiering tier as a vLLM secondary tier; ``tier`` names which.
+
+    ``{"type": "KVTieringTier", "module_path": "tiering.integrations.vllm",
+    "tier": "fs", "root_dir": "/mnt/kv"}``: ``tier`` is one of our tier type
+    names (``memory``, ``fs``, ``redis``, a registered or entry-point name) or
+    a ``"package.module:Class"`` path to any :class:`~tiering.tier.AsyncTier`.
+
+    Options read here (the rest configure the runtime - ``job_timeout_s``,
+    ``shutdown_timeout_s``, ``name``... - or the tier itself, see
+    :mod:`tiering.registry`):
+
+    ``medium``                ``"STORAGE"`` (default) or ``"CPU"``: what vLLM
+                              reports for hits served from this tier (DISK / HOST)
+    ``locality``              ``"LOCAL"`` / ``"REMOTE"`` (vLLM's tier filters, events)
+    ``enable_kv_events``      emit vLLM KV events for blocks stored in / evicted from
+                              this tier (only when KV events are enabled globally)
+    ``failed_load_backoff_s`` after a promotion of a block fails, answer MISS for
+                              it this long (default 10), so vLLM recomputes it
+                              instead of retrying a doomed load every step
+    """
+
+    medium: Any = Medium.STORAGE
+    #: Our tier type the subclass always runs (None: the ``tier`` option says).
+    fixed_tier: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        tier: str | None = None,
+        medium: str | None = None,
+        locality: str | None = None,
+        enable_kv_events: bool = False,
+        failed_load_backoff_s: float = DEFAULT_FAILED_LOAD_BACKOFF_S,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        where = f"secondary tier {tier_type!r}"
+        our_type = self._our_tier_type(tier, where)
+        if medium is not None:
+            try:
+                self.medium = Medium(str(medium).upper())
+            except ValueError:
+                raise ConfigError(
+                    f"{where}: medium must be 'STORAGE' or 'CPU', got {medium!r}"
+                ) from None
+            self.cache_hit_source = _HIT_SOURCE[self.medium]
+        try:
+            self.locality = None if locality is None else Locality(str(locality).upper())
+        except ValueError:
+            raise ConfigError(
+                f"{where}: locality must be 'LOCAL' or 'REMOTE', got {locality!r}"
+            ) from None
+        if isinstance(failed_load_backoff_s, bool) or not (
+            isinstance(failed_load_backoff_s, (int, float)) and failed_load_backoff_s >= 0
+        ):
+            raise ConfigError(
+                f"{where}: failed_load_backoff_s must be a number >= 0, got "
+                f"{failed_load_backoff_s!r}"
+            )
+        self._failed_load_backoff_s = float(failed_load_backoff_s)
+        self._events_enabled = self._events_wanted(bool(enable_kv_events), where)
+        if not self._events_enabled:
+            options["max_events"] = 0  # nobody takes them: do not keep any
+
+        config: dict[str, Any] = {"type": our_type, **options}
+        config.setdefault("name", f"vllm-{tier_type}")
+        block_bytes = self.block_size_bytes
+        self._runtime: AsyncTierManager = create_secondary_tier(
+            config,
+            primary_kv_view,
+            position=_position_in_spec(offloading_spec, tier_type, options),
+            layout_fingerprint=translate.layout_fingerprint(offloading_spec, block_bytes),
+        )
+        self._loads: dict[int, tuple[OffloadKey, ...]] = {}  # promotions in flight: their keys
+        self._failed_loads: dict[OffloadKey, float] = {}  # key -> when its promotion failed
+        self._shut_down = False
+        logger.info(
+            "kv-tiering tier %r (%s, %s) ready for vLLM: %d-byte blocks, events %s",
+            tier_type,
+            our_type,
+            type(self._runtime.tier).__name__,
+            block_bytes,
+            "on" if self._events_enabled else "off",
+        )
+
+    def _our_tier_type(self, tier: str | None, where: str) -> str:
+        if self.fixed_tier is not None:
+            if tier is not None:
+                raise ConfigError(
+                    f"{where}: {type(self).__name__} always runs our {self.fixed_tier!r} tier; "
+                    "drop the 'tier' option or use KVTieringTier"
+                )
+            return self.fixed_tier
+        if not isinstance(tier, str) or not tier:
+            raise ConfigError(
+                f"{where}: KVTieringTier needs a 'tier' option naming one of our tier types "
+                "(memory, fs, redis, ...) or a 'package.module:Class' AsyncTier path"
+            )
+        return tier
+
+    def _events_wanted(self, requested: bool, where: str) -> bool:
+        if not requested:
+            return False
+        config = getattr(self._offloading_spec, "kv_events_config", None)
+        if config is not None and config.enable_kv_cache_events:
+            return True
+        logger.warning(
+            "%s: enable_kv_events is set but KV cache events are disabled globally; "
+            "the tier will not emit events",
+            where,
+        )
+        return False
+
+    # -- per request and per step --------------------------------------------------------
+
+    def on_new_request(self, req_context: Any) -> Any:
+        """Chunk-level offloading (vLLM's default); converts the request's context once."""
+        translate.request_context(req_context)
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: Any) -> None:
+        """Nothing is kept per request (the converted context lives in vLLM's)."""
+
+    def on_schedule_end(self, context: Any) -> None:
+        """Forget promotion failures older than the backoff."""
+        if self._failed_loads:
+            self._expire_failed_loads(time.monotonic())
+
+    def has_pending_work(self) -> bool:
+        """True while any submitted job's result has not been collected yet."""
+        return not self._shut_down and self._runtime.has_pending_work()
+
+    # -- lookups and jobs -----------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: Any) -> Any:
+        """HIT / MISS from the runtime's presence view; RETRY while in flight or being checked."""
+        if self._failed_loads:
+            failed_at = self._failed_loads.get(key)
+            if failed_at is not None:
+                if time.monotonic() - failed_at < self._failed_load_backoff_s:
+                    return LookupResult.MISS
+                del self._failed_loads[key]
+        return translate.lookup_result(
+            self._runtime.lookup(key, translate.request_context(req_context))
+        )
+
+    def submit_store(self, job_metadata: Any) -> None:
+        """Cascade: copy the job's primary chunks into the tier (keys it holds are skipped)."""
+        self._runtime.submit_store(translate.job_metadata(job_metadata, is_promotion=False))
+
+    def submit_load(self, job_metadata: Any) -> None:
+        """Promotion: copy the keys' blocks into the job's primary chunks."""
+        job = translate.job_metadata(job_metadata, is_promotion=True)
+        self._runtime.submit_load(job)
+        self._loads[job.job_id] = job.keys
+
+    def get_finished_jobs(self) -> Iterable[Any]:
+        """vLLM ``JobResult`` s of the jobs finished since the last call (never blocks)."""
+        if self._shut_down:
+            return ()
+        finished = self._runtime.get_finished()
+        if not finished:
+            return ()
+        results = []
+        for result in finished:
+            load_keys = self._loads.pop(result.job_id, None)
+            is_load = load_keys is not None
+            if load_keys is not None and not result.success:
+                self._note_failed_load(load_keys, result.successful_keys)
+            results.append(translate.job_result(result, is_promotion=is_load))
+        return results
+
+    def _note_failed_load(
+        self, keys: tuple[OffloadKey, ...], loaded: frozenset[OffloadKey] | None
+    ) -> None:
+        """The keys of a failed promotion that did not load answer MISS for a while.
+
+        Without this, a block whose read keeps failing (an I/O error the tier
+        cannot classify as missing or corrupt) would be HIT again at once,
+        promoted again and fail again every step: vLLM 0.33's manager relies on
+        its tiers to turn a failed promotion into a miss.
+        """
+        if self._failed_load_backoff_s <= 0:
+            return
+        now = time.monotonic()
+        for key in keys:
+            if loaded is None or key not in loaded:
+                self._failed_loads[key] = now
+
+    def _expire_failed_loads(self, now: float) -> None:
+        horizon = now - self._failed_load_backoff_s
+        expired = [k for k, t in self._failed_loads.items() if t < horizon]
+        for key in expired:
+            del self._failed_loads[key]
+
+    def drain_jobs(self) -> None:
+        """Block until every submitted job has finished; results stay queued for collection.
+
+        Nothing is aborted: every job ends by itself or at its deadline
+        (``job_timeout_s``), so this returns within that bound.
+        """
+        if self._shut_down:
+            return
+        self._runtime.drain(None)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: Any) -> None:
+        """Tell the tier's eviction policy these blocks were used (in the background)."""
+        if keys and not self._shut_down:
+            self._runtime.touch(keys, translate.request_context(req_context))
+
+    def take_events(self) -> Iterable[Any]:
+        """vLLM ``OffloadingEvent`` s for blocks stored in or removed from this tier.
+
+        ``ownership`` is this tier's ``tier_type`` and ``removal_expected`` is
+        True: our tiers report their evictions, so vLLM's event tracker keeps a
+        block's metadata until this tier says the block is gone.
+        """
+        if not self._events_enabled or self._shut_down:
+            return ()
+        return [
+            OffloadingEvent(
+                keys=list(keys),
+                medium=self.medium,
+                removed=removed,
+                locality=self.locality,
+                ownership=self.tier_type,
+                removal_expected=True,
+            )
+            for keys, removed in self._runtime.take_events()
+        ]
+
+    def shutdown(self) -> None:
+        """Stop the tier's loop thread and close the tier (bounded); idempotent.
+
+        vLLM unmaps the primary buffer right after this, so the runtime
+        releases every view of it here.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._runtime.shutdown()
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def runtime(self) -> AsyncTierManager:
+        """The runtime running our tier (its ``.tier`` is the AsyncTier instance)."""
+        return self._runtime
+
+    def stats(self) -> TierStats:
+        """The runtime's statistics snapshot of this tier."""
+        return self._runtime.stats()
+
+    def get_num_chunks(self) -> int:
+        """Blocks known to be in the tier."""
+        if self._shut_down:
+            raise TierClosedError(f"tier {self.tier_type} is shut down")
+        return self._runtime.get_num_blocks()
+
+
+class KVTieringFileSystemTier(KVTieringTier):
+    """Our filesystem tier (slab files, O_DIRECT, checksums, bounded, survives restarts).
+
+    ``{"type": "KVTieringFileSystemTier", "module_path": "tiering.integrations.vllm",
+    "root_dir": "/mnt/nvme/kv", "capacity_bytes": "200GiB"}``; options: see
+    :class:`tiers.fs.FileSystemTier` and :class:`KVTieringTier`.
+    """
+
+    medium: Any = Medium.STORAGE
+    cache_hit_source: Any = CacheHitSource.DISK
+    fixed_tier: ClassVar[str | None] = "fs"
+
+
+class KVTieringRedisTier(KVTieringTier):
+    """Our Redis tier (one server or a cluster, shared by every engine that uses it).
+
+    ``{"type": "KVTieringRedisTier", "module_path": "tiering.integrations.vllm",
+    "url": "redis://cache:6379/0"}``; options: see :class:`tiers.redis.RedisTier`.
+    """
+
+    medium: Any = Medium.STORAGE
+    cache_hit_source: Any = CacheHitSource.DISK
+    fixed_tier: ClassVar[str | None] = "redis"
+
+
+class KVTieringMemoryTier(KVTieringTier):
+    """Our in-memory tier (host memory of the scheduler process, bounded with eviction).
+
+    ``{"type": "KVTieringMemoryTier", "module_path": "tiering.integrations.vllm",
+    "capacity_bytes": 8589934592}``; options: see :class:`tiers.memory.MemoryTier`.
+    """
+
+    medium: Any = Medium.CPU
+    cache_hit_source: Any = CacheHitSource.HOST
+    fixed_tier: ClassVar[str | None] = "memory"
+
+
+def _position_in_spec(offloading_spec: Any, tier_type: str, options: Mapping[str, Any]) -> int:
+    """This tier's index in ``secondary_tiers`` (for error messages); 0 if not found.
+
+    vLLM passes each entry's options but not its index, so find the entry
+    with this type whose options match.
+    """
+    entries = getattr(offloading_spec, "secondary_tier_configs", None) or []
+    for position, entry in enumerate(entries):
+        if not isinstance(entry, Mapping) or entry.get("type") != tier_type:
+            continue
+        if all(entry.get(k) == v for k, v in options.items() if k != "max_events"):
+            return position
+    return 0
