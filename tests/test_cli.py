@@ -16,10 +16,10 @@ from tiering.cli import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     main,
-    parse_size,
     parse_tier_spec,
 )
 from tiering.replay.trace import read_trace
+from tiering.replay.units import format_bytes, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--requests", "60", "--block-bytes", "8KiB", "--no-progress"]
@@ -45,6 +45,7 @@ def test_sizes_and_tier_specs_parse() -> None:
     assert parse_size("4096") == 4096
     with pytest.raises(ValueError, match="not a size"):
         parse_size("12 parsecs")
+    assert format_bytes(3 * 2**30 // 2) == "1.5 GiB" and format_bytes(100) == "100 B"
     assert parse_tier_spec("fs:root_dir=/tmp/x,capacity_bytes=8GiB,n_read_threads=4") == {
         "type": "fs",
         "root_dir": "/tmp/x",
@@ -337,3 +338,24 @@ def test_a_yaml_config_in_vllms_shape_builds_the_stack(
     assert [t["name"] for t in report["tiers"]][1:] == ["cpu", "memory#0", "memory#1"]
     assert report["tiers"][2]["capacity_blocks"] == 100
     assert report["hit_rate"]["total"] == pytest.approx(report["hit_rate"]["unlimited"], abs=0.001)
+
+
+def test_repeated_log_messages_are_shown_three_times_then_counted() -> None:
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from tiering.replay.console import logging_to
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=200)
+    noisy = logging.getLogger("tiering.test.noisy")
+    with logging_to(console, verbose=0):
+        for key in range(10):
+            noisy.error("a tier kept buffer %d", key)
+        noisy.warning("something else")
+    text = buffer.getvalue()
+    assert text.count("a tier kept buffer") == 4  # three shown, one summary
+    assert "and 7 more messages like this one: a tier kept buffer 3" in text
+    assert "something else" in text

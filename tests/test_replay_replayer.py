@@ -126,7 +126,7 @@ def test_promotions_slower_than_the_timeout_become_misses() -> None:
     requests = SyntheticWorkload(num_requests=60, seed=8).generate()
     config = {
         "cpu_bytes_to_use": 16 * BLOCK,
-        "secondary_tiers": [{"type": "tests.replay_faults:SlowMemoryTier", "delay_s": 0.2}],
+        "secondary_tiers": [{"type": "tests.replay_faults:SlowMemoryTier", "delay_s": 0.05}],
     }
     totals, _ = replay(config, requests, promotion_timeout_s=0.01)
     assert totals.promotion_timeouts > 0

@@ -9,22 +9,20 @@ is still printed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
-import re
-import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from tiering.errors import ConfigError
+from tiering.replay.console import consoles, logging_to, progress_bar, stop_on_sigint
+from tiering.replay.units import format_bytes, parse_size
 
 logger = logging.getLogger("tiering.cli")
 
@@ -35,26 +33,9 @@ EXIT_INTERRUPTED = 130
 
 DEFAULT_BLOCK_BYTES = 32 * 1024
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
-}  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
 
 class UsageError(Exception):
     """Bad command-line input; the message says which argument and why."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"32768"``, ``"32KiB"``, ``"1.5GB"`` (raises ``ValueError``)."""
-    match = _SIZE_RE.match(text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (use bytes or a unit like 64KiB, 2GiB, 500MB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _size_arg(text: str) -> int:
@@ -358,71 +339,6 @@ def load_workload(args: argparse.Namespace) -> Workload:
     return Workload(args.trace.name, requests)
 
 
-@contextlib.contextmanager
-def _stop_on_sigint(stop: threading.Event) -> Iterator[None]:
-    """First Ctrl-C sets ``stop`` for a clean stop; a second one interrupts at once."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        stop.set()
-
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: no signal handling
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _consoles(json_mode: bool) -> tuple[Any, Any]:
-    from rich.console import Console
-
-    # The report goes to stdout; progress and logs to stderr, so --json stays parseable.
-    # Redirected output is not wrapped at 80 columns: the tables are wider.
-    out = Console()
-    if not out.is_terminal:
-        out = Console(width=120)
-    return out, Console(stderr=True)
-
-
-def _setup_logging(verbose: int, console: Any) -> None:
-    from rich.logging import RichHandler
-
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level,
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-        force=True,
-    )
-
-
-def _progress(console: Any, disable: bool) -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=disable or not console.is_terminal,
-        transient=False,
-    )
-
-
 # -- replay -------------------------------------------------------------------------------------
 
 
@@ -455,31 +371,57 @@ def _replay_config(
     return extra
 
 
-def run_replay(args: argparse.Namespace) -> int:
-    from tiering.replay.offline import unlimited_hit_rate
-    from tiering.replay.replayer import Replayer, ReplayTotals
-    from tiering.replay.report import build_report, render_report
-    from tiering.replay.stack import (
-        IGNORED_FOR_REPLAY,
-        build_stack,
-        default_gpu_blocks,
-        tier_summary,
-    )
-    from tiering.replay.trace import trace_footprint
+@dataclass(frozen=True, slots=True)
+class _ReplayRun:
+    """What a finished (or stopped) replay leaves behind for its report."""
 
+    totals: Any  # ReplayTotals
+    stats: Any  # ManagerStats, taken after shutdown
+    extra_config: dict[str, Any]
+    footprint_blocks: int
+    gpu_blocks: int
+    gpu_evictions: int
+    gpu_held: int
+    secondary_names: list[str]
+    runtime_stats: list[Any]
+
+
+def run_replay(args: argparse.Namespace) -> int:
     if args.output is not None:
         check_writable(args.output, "--output")
-    out, err = _consoles(args.json)
-    _setup_logging(args.verbose, err)
-    workload = load_workload(args)
+    out, err = consoles()
+    with logging_to(err, args.verbose):
+        workload = load_workload(args)
+        run = _replay_workload(args, workload, err)
+    report = _replay_report(args, workload, run)
+    if args.output is not None:
+        args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        from tiering.replay.report import render_report
+
+        render_report(report, out)
+    if run.totals.mismatches:
+        return EXIT_FAILED
+    if run.totals.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _replay_workload(args: argparse.Namespace, workload: Workload, err: Any) -> _ReplayRun:
+    """Build the stack, replay the workload with a progress bar, shut the stack down."""
+    from tiering.replay.replayer import Replayer, ReplayTotals
+    from tiering.replay.stack import build_stack, default_gpu_blocks
+    from tiering.replay.trace import trace_footprint
+
     footprint = trace_footprint(workload.requests)
     gpu_blocks = args.gpu_blocks if args.gpu_blocks is not None else default_gpu_blocks(footprint)
+    total = len(workload.requests)
     stop = threading.Event()
-
-    with tempfile.TemporaryDirectory(prefix="tiering-replay-") as temp, _stop_on_sigint(stop):
+    with tempfile.TemporaryDirectory(prefix="tiering-replay-") as temp, stop_on_sigint(stop):
         extra = _replay_config(args, footprint, Path(temp))
         stack = build_stack(extra, block_bytes=args.block_bytes, block_tokens=args.block_tokens)
-        total = len(workload.requests)
         try:
             replayer = Replayer(
                 stack,
@@ -495,64 +437,72 @@ def run_replay(args: argparse.Namespace) -> int:
                 total,
                 workload.name,
             )
-            with _progress(err, args.no_progress) as progress:
+            with progress_bar(err, args.no_progress) as progress:
                 task = progress.add_task("replay", total=total, status="")
 
                 def on_progress(totals: ReplayTotals) -> None:
                     hit = sum(t.tokens for t in totals.hits.values())
                     rate = hit / totals.total_tokens if totals.total_tokens else 0.0
-                    progress.update(
-                        task, completed=totals.requests_done, status=f"hit rate {rate:6.1%}"
-                    )
+                    status = f"hit rate {rate:6.1%}"
+                    if totals.draining:
+                        status += ", waiting for tier jobs in flight"
+                    progress.update(task, completed=totals.requests_done, status=status)
 
                 totals = replayer.run(
                     workload.requests, on_progress, progress_every=max(1, total // 400)
                 )
         finally:
             stack.shutdown()
-        stats = stack.stats()
-
-    replayed = workload.requests[: totals.requests_done]
-    ignored = [key for key in IGNORED_FOR_REPLAY if key in extra]
-    setup = {
-        "block_bytes": args.block_bytes,
-        "gpu_blocks": gpu_blocks,
-        "cpu_bytes_to_use": extra.get("cpu_bytes_to_use"),
-        "cpu_blocks": stats.primary.capacity_blocks,
-        "eviction_policy": extra.get("eviction_policy", "lru"),
-        "secondary_tiers": _jsonable(extra.get("secondary_tiers", [])),
-        "secondary_summary": [tier_summary(t) for t in extra.get("secondary_tiers", [])],
-        "promotion_timeout_s": args.promotion_timeout,
-        "store_chunk_blocks": args.chunk_blocks,
-        "store_wait_s": args.store_wait,
-        "ignored_config_keys": ignored,
-    }
-    report = build_report(
+    return _ReplayRun(
         totals=totals,
-        stats=stats,
-        unlimited=unlimited_hit_rate(replayed, args.block_tokens),
-        trace_name=workload.name,
+        stats=stack.stats(),
+        extra_config=extra,
         footprint_blocks=footprint,
-        block_tokens=args.block_tokens,
-        block_bytes=args.block_bytes,
         gpu_blocks=gpu_blocks,
         gpu_evictions=replayer.gpu.evictions,
         gpu_held=len(replayer.gpu),
-        setup=setup,
         secondary_names=[name for name, _ in stack.secondary],
         runtime_stats=[_runtime_stats(tier) for _, tier in stack.secondary],
     )
-    if args.output is not None:
-        args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        render_report(report, out)
-    if totals.mismatches:
-        return EXIT_FAILED
-    if totals.interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_OK
+
+
+def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun) -> dict[str, Any]:
+    from tiering.replay.offline import unlimited_hit_rate
+    from tiering.replay.report import build_report
+    from tiering.replay.stack import IGNORED_FOR_REPLAY, configured_capacity, tier_summary
+
+    extra = run.extra_config
+    tiers = extra.get("secondary_tiers") or []
+    setup = {
+        "block_bytes": args.block_bytes,
+        "gpu_blocks": run.gpu_blocks,
+        "cpu_bytes_to_use": extra.get("cpu_bytes_to_use"),
+        "cpu_blocks": run.stats.primary.capacity_blocks,
+        "eviction_policy": extra.get("eviction_policy", "lru"),
+        "secondary_tiers": _jsonable(tiers),
+        "secondary_summary": [tier_summary(t) for t in tiers],
+        "promotion_timeout_s": args.promotion_timeout,
+        "store_chunk_blocks": args.chunk_blocks,
+        "store_wait_s": args.store_wait,
+        "ignored_config_keys": [key for key in IGNORED_FOR_REPLAY if key in extra],
+    }
+    replayed = workload.requests[: run.totals.requests_done]
+    return build_report(
+        totals=run.totals,
+        stats=run.stats,
+        unlimited=unlimited_hit_rate(replayed, args.block_tokens),
+        trace_name=workload.name,
+        footprint_blocks=run.footprint_blocks,
+        block_tokens=args.block_tokens,
+        block_bytes=args.block_bytes,
+        gpu_blocks=run.gpu_blocks,
+        gpu_evictions=run.gpu_evictions,
+        gpu_held=run.gpu_held,
+        setup=setup,
+        secondary_names=run.secondary_names,
+        runtime_stats=run.runtime_stats,
+        configured_capacities=[configured_capacity(t, args.block_bytes) for t in tiers],
+    )
 
 
 def _runtime_stats(tier: object) -> Any:
@@ -601,9 +551,9 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     outputs = {ext: Path(f"{args.out}.{ext}") for ext in ("png", "csv", "json")}
     for path in outputs.values():
         check_writable(path, "--out")
-    out, err = _consoles(args.json)
-    _setup_logging(args.verbose, err)
-    workload = load_workload(args)
+    out, err = consoles()
+    with logging_to(err, args.verbose):
+        workload = load_workload(args)
     footprint = trace_footprint(workload.requests)
     capacities = (
         _parse_capacities(args.capacities, args.block_bytes)
@@ -612,7 +562,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     )
     stop = threading.Event()
     steps = len(set(capacities)) * (len(policies) + 1)
-    with _progress(err, args.no_progress) as progress, _stop_on_sigint(stop):
+    with progress_bar(err, args.no_progress) as progress, stop_on_sigint(stop):
         task = progress.add_task("sweep", total=steps, status="")
 
         def on_step(name: str, capacity: int) -> None:
@@ -658,7 +608,7 @@ def _render_sweep(result: Any, console: Any, outputs: dict[str, Path]) -> None:
     for point in result.points:
         table.add_row(
             f"{point.capacity_blocks:,}",
-            _human_bytes(point.capacity_bytes),
+            format_bytes(point.capacity_bytes),
             f"{point.capacity_blocks / max(1, result.footprint_blocks):.0%}",
             *(f"{point.hit_rates[n].token_hit_rate:.1%}" for n in names),
         )
@@ -667,13 +617,6 @@ def _render_sweep(result: Any, console: Any, outputs: dict[str, Path]) -> None:
         console.print("Wrote " + ", ".join(str(p) for p in outputs.values()))
     else:
         console.print("Interrupted before the first capacity finished: nothing written.")
-
-
-def _human_bytes(count: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} B"
 
 
 # -- generate -----------------------------------------------------------------------------------

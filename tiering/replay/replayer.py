@@ -133,6 +133,7 @@ class ReplayTotals:
     clock: PhaseClock = field(default_factory=PhaseClock)
     wall_s: float = 0.0
     interrupted: bool = False
+    draining: bool = False  # the requests are done; waiting for tier jobs in flight
     drained: bool = True
 
     def hit(self, place: str) -> HitTally:
@@ -208,6 +209,9 @@ class Replayer:
                 totals.requests_done += 1
                 if on_progress is not None and totals.requests_done % progress_every == 0:
                     on_progress(totals)
+            totals.draining = True
+            if on_progress is not None:
+                on_progress(totals)
             with totals.clock.phase(PHASE_DRAIN):
                 totals.drained = self._drain()
         finally:

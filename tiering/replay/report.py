@@ -24,6 +24,7 @@ from tiering.replay.replayer import (
     PHASE_TIER,
     ReplayTotals,
 )
+from tiering.replay.units import format_bytes
 from tiering.runtime.stats import TierStats as RuntimeTierStats
 from tiering.stats import ManagerStats, TierStats
 
@@ -107,11 +108,14 @@ def build_report(
     setup: Mapping[str, Any],
     secondary_names: Sequence[str],
     runtime_stats: Sequence[RuntimeTierStats | None] = (),
+    configured_capacities: Sequence[int | None] = (),
 ) -> dict[str, Any]:
     """The whole report as plain data (what ``--json`` prints).
 
     ``runtime_stats`` are the secondary tiers' own snapshots (from the async
-    facade), where available, in the order of ``secondary_names``.
+    facade), where available, in the order of ``secondary_names``;
+    ``configured_capacities`` the capacities their configs give, shown where a
+    tier does not report its own.
     """
     total_tokens = totals.total_tokens
     hit_tokens = sum(tally.tokens for tally in totals.hits.values())
@@ -144,16 +148,20 @@ def build_report(
         },
     ]
     runtimes = list(runtime_stats) or [None] * len(secondary_names)
-    for name, tier_stats, runtime in zip(secondary_names, stats.secondary, runtimes, strict=True):
-        tiers.append(
-            {
-                "name": name,
-                "medium": tier_stats.medium,
-                **place(name),
-                **_tier_stats_json(tier_stats, block_bytes),
-                **(_runtime_json(runtime) if runtime is not None else {}),
-            }
-        )
+    capacities = list(configured_capacities) or [None] * len(secondary_names)
+    for name, tier_stats, runtime, capacity in zip(
+        secondary_names, stats.secondary, runtimes, capacities, strict=True
+    ):
+        row = {
+            "name": name,
+            "medium": tier_stats.medium,
+            **place(name),
+            **_tier_stats_json(tier_stats, block_bytes),
+            **(_runtime_json(runtime) if runtime is not None else {}),
+        }
+        if row["capacity_blocks"] is None:
+            row["capacity_blocks"] = capacity
+        tiers.append(row)
 
     clock = totals.clock
     gpu_side = clock.get(PHASE_GPU)
@@ -258,13 +266,6 @@ def _pct(value: float) -> str:
     return f"{100 * value:.1f}%"
 
 
-def _bytes(count: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(count) >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{int(count)} B"
-
-
 def _blocks(count: int | None) -> str:
     return "unbounded" if count is None else f"{count:,}"
 
@@ -293,7 +294,7 @@ def _tier_tables(report: Mapping[str, Any], block_bytes: int) -> tuple[Table, Ta
         moved.add_column(column, justify="left" if column == "tier" else "right")
 
     def amount(blocks: int | None) -> str:
-        return "-" if blocks is None else f"{blocks:,} ({_bytes(blocks * block_bytes)})"
+        return "-" if blocks is None else f"{blocks:,} ({format_bytes(blocks * block_bytes)})"
 
     for tier in report["tiers"]:
         hits.add_row(
@@ -378,12 +379,12 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
         Text(
             f"{trace['name']}: {trace['requests_replayed']:,} of {trace['requests']:,} requests, "
             f"{report['tokens']['total']:,} prompt tokens, {trace['footprint_blocks']:,} "
-            f"distinct blocks of {trace['block_tokens']} tokens ({_bytes(block_bytes)} each)",
+            f"distinct blocks of {trace['block_tokens']} tokens ({format_bytes(block_bytes)} each)",
             style="bold",
         ),
         Text(
             f"GPU prefix cache {setup['gpu_blocks']:,} blocks; CPU primary "
-            f"{_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}); secondary: "
+            f"{format_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}); secondary: "
             + (", ".join(setup["secondary_summary"]) or "none")
         ),
         Text(

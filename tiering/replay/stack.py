@@ -17,6 +17,7 @@ from typing import Any
 
 from tiering.errors import ConfigError
 from tiering.replay.replayer import CPU, ReplayStack
+from tiering.replay.units import parse_size
 
 #: Tokens per offloaded block are the trace's (512 for Mooncake), whatever the config says.
 IGNORED_FOR_REPLAY = ("block_size",)
@@ -105,6 +106,23 @@ def tier_summary(tier_config: Mapping[str, Any]) -> str:
     """A short human description of one ``secondary_tiers`` entry."""
     details = ", ".join(f"{k}={v}" for k, v in tier_config.items() if k != "type")
     return f"{tier_config.get('type')}({details})"
+
+
+def configured_capacity(tier_config: Mapping[str, Any], block_bytes: int) -> int | None:
+    """Blocks a tier's config allows (``capacity_blocks``, or ``capacity_bytes`` as a
+    number or a size like ``"8GiB"``); None when the config does not say."""
+    blocks = tier_config.get("capacity_blocks")
+    if isinstance(blocks, int) and not isinstance(blocks, bool):
+        return blocks
+    size = tier_config.get("capacity_bytes")
+    if isinstance(size, bool) or size is None:
+        return None
+    if isinstance(size, int | float):
+        return int(size) // block_bytes
+    try:
+        return parse_size(str(size)) // block_bytes
+    except ValueError:
+        return None
 
 
 def layout_fingerprint(block_bytes: int, block_tokens: int) -> str:
