@@ -217,6 +217,24 @@ def test_promotion_without_a_free_primary_block_is_a_miss() -> None:
         assert manager.lookup(old, NO_CONTEXT) is None  # room again: promoted
 
 
+def test_promised_row_taken_before_the_batch_is_reserved_is_a_miss() -> None:
+    manager, primary, _ = build(num_blocks=2, tiers=("memory",))
+    with manager:
+        wanted = key(1)
+        store(manager, [wanted])
+        settle(manager)
+        evict_from_primary(manager, [wanted])
+        held = [k for k in (key(1000), key(1001)) if primary.is_ready(k)]
+        assert manager.lookup(wanted, NO_CONTEXT) is None  # an evictable block counts as room
+        manager.prepare_load(held, NO_CONTEXT)  # ...until the engine pins every block
+        manager.flush()
+        assert not manager.is_promoting(wanted)
+        assert manager.stats().promotion_no_room == 1
+        assert primary.num_storing() == 0
+        assert manager.lookup(wanted, NO_CONTEXT) is False
+        manager.complete_load(held)
+
+
 def test_failed_promotion_frees_the_row_and_backs_off() -> None:
     clock = FakeClock()
     faulty = FaultyTier(MemoryTier(), FaultPlan(), seed=3)
@@ -301,7 +319,9 @@ def test_promotion_evicts_an_unpinned_block() -> None:
         evict_from_primary(manager, [old])
         evictions = manager.stats().primary.evictions
         assert manager.lookup(old, NO_CONTEXT) is None
-        assert manager.stats().primary.evictions == evictions + 1
+        assert manager.stats().primary.evictions == evictions  # a row is only promised...
+        manager.flush()
+        assert manager.stats().primary.evictions == evictions + 1  # ...and reserved in batch
         promote(manager, [old])
         load_and_verify(manager, [old])
         assert primary.num_ready() <= primary.num_blocks
@@ -318,7 +338,8 @@ def test_a_promotion_never_evicts_a_block_answered_true_this_step() -> None:
         assert manager.prepare_store([], NO_CONTEXT) is not None  # (a step boundary)
         # hit is the least recently used block: the natural victim of the next eviction
         assert manager.lookup(hit, NO_CONTEXT) is True
-        assert manager.lookup(wanted, NO_CONTEXT) is None  # promotion evicted the filler...
+        assert manager.lookup(wanted, NO_CONTEXT) is None
+        manager.flush()  # reserves the promotion's row: evicts the filler...
         assert primary.is_ready(hit) and not primary.is_ready(filler)
         load_and_verify(manager, [hit])  # ...so the engine can still load its hit
         # once every block is a hit of this step, a promotion finds no room: a miss

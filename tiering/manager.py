@@ -98,6 +98,7 @@ class PrimaryTier(Protocol):
     def num_free(self) -> int: ...
     def num_ready(self) -> int: ...
     def num_pinned(self) -> int: ...
+    def num_storing(self) -> int: ...
 
 
 class _Kind(enum.Enum):
@@ -118,11 +119,10 @@ class _Job:
 
 @dataclass(slots=True)
 class _StagedBatch:
-    """Promotions reserved in the primary tier, not yet submitted (one job per batch)."""
+    """Promotions promised a primary row, not yet reserved nor submitted (one job per batch)."""
 
     req_context: ReqContext
     keys: list[OffloadKey]
-    rows: list[int]
 
 
 class _FailureLog:
@@ -411,8 +411,8 @@ class TieringOffloadingManager(OffloadingManager):
         room cannot be made.
         """
         self._check_open()
+        self._flush_staged()  # while this step's hits are still protected
         self._end_of_step()
-        self._flush_staged()
         if self._jobs and self._primary.num_free() < len(keys):
             self._poll()
         output = self._primary.prepare_store(keys, req_context)
@@ -453,8 +453,8 @@ class TieringOffloadingManager(OffloadingManager):
         finished jobs first, so promotions that landed are reported.
         """
         self._check_open()
+        self._flush_staged()  # while this step's hits are still protected
         self._end_of_step()
-        self._flush_staged()
         self._poll()
         if not self._enable_events:
             self._discard_events()
@@ -538,8 +538,8 @@ class TieringOffloadingManager(OffloadingManager):
         promotion back-offs, and publishes metrics about once a second.
         """
         self._check_open()
+        self._flush_staged()  # while this step's hits are still protected
         self._end_of_step()
-        self._flush_staged()
         finished = self._poll()
         now = self._clock()
         self._expire_backoff(now)
@@ -573,37 +573,34 @@ class TieringOffloadingManager(OffloadingManager):
     def _start_promotion(
         self, key: OffloadKey, position: int, req_context: ReqContext
     ) -> bool | None:
+        """Promise a primary row to ``key`` and stage its promotion (None), or miss (False).
+
+        Rows are reserved when the batch is submitted (one ``prepare_store`` per
+        batch, not per block); here the manager only checks, in O(1), that one
+        more row can be had: a free one, or an evictable one (ready, unpinned
+        and not a hit of this step) beyond those already promised.
+        """
         primary = self._primary
-        if primary.num_free() == 0:
-            # An eviction decision follows: release finished pins first, and keep this
-            # step's hits (the engine may be about to load them) out of the victims.
+        needed = self._num_staged + 1
+        if primary.num_free() < needed:
+            # An eviction will be needed: release finished pins first, and pin this step's
+            # hits (the engine may be about to load them) so they are not counted as victims.
             if self._jobs:
                 self._poll()
-            if primary.num_free() == 0:
+            if primary.num_free() < needed:
                 self._protect_step_hits()
-        try:
-            output = primary.prepare_store((key,), req_context)
-        except Exception:
-            self._internal_error("reserving a primary block for a promotion")
-            return False
-        if output is None:
-            self._no_room += 1
-            self._primary_counters.misses += 1
-            return False
-        if output.evicted_keys:
-            self._primary_counters.evictions += len(output.evicted_keys)
-        if not output.keys_to_store:
-            # The poll above made the key present after all; answer as the primary tier does.
-            answer = primary.lookup(key, req_context)
-            self._count_answer(key, answer)
-            return answer
-        row = int(_block_ids_of(output.store_spec)[0])
+                load_pinned = primary.num_pinned() - primary.num_storing()
+                evictable = primary.num_ready() - load_pinned
+                if primary.num_free() + evictable < needed:
+                    self._no_room += 1
+                    self._primary_counters.misses += 1
+                    return False
         self._promoting[key] = position
-        self._stage(position, key, row, req_context)
+        self._stage(position, key, req_context)
         self._retries += 1
         return None
 
-    def _stage(self, position: int, key: OffloadKey, row: int, req_context: ReqContext) -> None:
+    def _stage(self, position: int, key: OffloadKey, req_context: ReqContext) -> None:
         batches = self._staged[position]
         if batches:
             last = batches[-1]
@@ -611,14 +608,12 @@ class TieringOffloadingManager(OffloadingManager):
                 last.req_context is req_context or last.req_context == req_context
             ):
                 last.keys.append(key)
-                last.rows.append(row)
                 self._num_staged += 1
                 return
             # A new request (or a full batch): the previous batch is complete, send it.
-            self._num_staged -= len(last.keys)
             batches.pop()
             self._submit_promotion(position, last)
-        batches.append(_StagedBatch(req_context, [key], [row]))
+        batches.append(_StagedBatch(req_context, [key]))
         self._num_staged += 1
 
     def _flush_staged(self) -> None:
@@ -626,17 +621,55 @@ class TieringOffloadingManager(OffloadingManager):
             return
         for position, batches in enumerate(self._staged):
             while batches:
-                batch = batches.pop(0)
-                self._num_staged -= len(batch.keys)
-                self._submit_promotion(position, batch)
+                self._submit_promotion(position, batches.pop(0))
+
+    def _reserve(self, keys: list[OffloadKey], req_context: ReqContext) -> dict[OffloadKey, int]:
+        """Reserve primary rows for a batch: ``{key: row}`` for the keys that got one."""
+        primary = self._primary
+        if primary.num_free() < len(keys):
+            self._protect_step_hits()
+        output = primary.prepare_store(keys, req_context)
+        if output is not None:
+            outputs = [output]
+        else:
+            # Room shrank since the lookups (the engine pinned blocks): as many as fit.
+            outputs = []
+            for key in keys:
+                single = primary.prepare_store((key,), req_context)
+                if single is None:
+                    break
+                outputs.append(single)
+        rows: dict[OffloadKey, int] = {}
+        for out in outputs:
+            if out.evicted_keys:
+                self._primary_counters.evictions += len(out.evicted_keys)
+            rows.update(zip(out.keys_to_store, _block_ids_of(out.store_spec).tolist(), strict=True))
+        return rows
 
     def _submit_promotion(self, position: int, batch: _StagedBatch) -> None:
+        self._num_staged -= len(batch.keys)
+        try:
+            rows = self._reserve(batch.keys, batch.req_context)
+        except Exception:
+            self._internal_error("reserving primary blocks for a promotion")
+            rows = {}
+        if len(rows) < len(batch.keys):
+            for key in batch.keys:
+                if key not in rows:
+                    del self._promoting[key]
+                    self._no_room += 1
+            if not rows:
+                return
+        keys = tuple(rows)
         job_id = next(self._job_ids)
-        keys = tuple(batch.keys)
         job = _Job(_Kind.PROMOTION, position, keys, batch.req_context, self._clock())
         try:
             metadata = JobMetadata(
-                job_id, keys, np.asarray(batch.rows, dtype=np.int64), True, batch.req_context
+                job_id,
+                keys,
+                np.fromiter(rows.values(), np.int64, len(rows)),
+                True,
+                batch.req_context,
             )
             self._jobs[job_id] = job
             self._tier_counters[position].jobs_in_flight += 1
@@ -682,12 +715,11 @@ class TieringOffloadingManager(OffloadingManager):
             self._cascade(tuple(committed), range(job.tier), job.req_context)
 
     def _drop_staged(self) -> None:
+        # Staged promotions hold no primary row yet: forgetting them is enough.
         for batches in self._staged:
             while batches:
-                batch = batches.pop()
-                for key in batch.keys:
+                for key in batches.pop().keys:
                     del self._promoting[key]
-                self._primary.complete_store(batch.keys, False)
         self._num_staged = 0
 
     # -- cascade ---------------------------------------------------------------------------
