@@ -12,6 +12,7 @@ Import the fixtures explicitly in a test module::
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -63,6 +64,15 @@ def redis_binaries() -> tuple[str, str]:
         if not (server and cli):
             pytest.fail(f"redis-server still missing after apt-get install; {_install_hint()}")
         return server, cli
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when the test process dies, so no server outlives a run."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _port_free(port: int) -> bool:
@@ -221,7 +231,12 @@ class RedisServer:
                 "--cluster-node-timeout", "2000",
             ]  # fmt: skip
         args += self.extra_args
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
         self._wait_until_answering()
         return self
 
@@ -386,15 +401,51 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
                 server.stop()
 
 
+class _SharedCluster:
+    """One cluster for the whole session, however many test modules import the fixture.
+
+    pytest registers an imported fixture once per module, so a plain session
+    fixture would start a cluster per module; this counts the users instead.
+    """
+
+    def __init__(self) -> None:
+        self.cluster: RedisClusterServers | None = None
+        self.workdir: tempfile.TemporaryDirectory[str] | None = None
+        self.users = 0
+
+    def acquire(self) -> RedisClusterServers:
+        if self.cluster is None:
+            self.workdir = tempfile.TemporaryDirectory(prefix="kvt-redis-cluster-")
+            try:
+                self.cluster = RedisClusterServers(Path(self.workdir.name)).start()
+            except BaseException:
+                self.workdir.cleanup()
+                self.workdir = None
+                raise
+        self.users += 1
+        return self.cluster
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+            if self.workdir is not None:
+                self.workdir.cleanup()
+                self.workdir = None
+
+
+_shared_cluster = _SharedCluster()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterServers]:
     """A 3-node Redis Cluster shared by the session (tests use their own namespaces)."""
-    with tempfile.TemporaryDirectory(prefix="kvt-redis-cluster-") as workdir:
-        cluster = RedisClusterServers(Path(workdir)).start()
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
+    cluster = _shared_cluster.acquire()
+    try:
+        yield cluster
+    finally:
+        _shared_cluster.release()
 
 
 @pytest.fixture(scope="session")

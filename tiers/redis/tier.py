@@ -117,7 +117,7 @@ class RedisTier(AsyncTier):
                 if not isinstance(exc, Exception):
                     raise
                 raise self._open_error(exc) from exc
-            self._note_unreachable()
+            self._note_unreachable(log=False)
             logger.warning(
                 "%s: Redis at %s is unreachable at start (%s); the tier reports misses "
                 "and retries the connection (on_start_unreachable='degrade')",
@@ -426,10 +426,12 @@ class RedisTier(AsyncTier):
         self._note_reachable()
         return replies
 
-    def _note_unreachable(self) -> None:
+    def _note_unreachable(self, *, log: bool = True) -> None:
         self.stats.unreachable_errors += 1
         if self._gate.record_unreachable():
             self.stats.outages += 1
+            if not log:
+                return
             logger.warning(
                 "%s: Redis at %s is unreachable; failing operations at once and retrying "
                 "the connection in %.1fs",
