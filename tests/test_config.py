@@ -4,16 +4,24 @@ build leaves nothing behind."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.manager_helpers import key, leftover_threads, settle
 from tiering.config import BlockGeometry, TieringConfig
 from tiering.errors import ConfigError, TierClosedError
+from tiering.keys import NO_CONTEXT
+from tiering.primary import CPUPrimaryTier
 from tiering.spec import TieringOffloadingSpec
+from tiering.tier import TierContext
+from tiers.memory import MemoryTier
 
 GIB = 1 << 30
 BASE: dict[str, Any] = {"cpu_bytes_to_use": 64 * 4096}
@@ -281,5 +289,113 @@ def test_shut_down_spec_refuses_to_build() -> None:
         spec.get_manager()
 
 
-def _threads() -> set[threading.Thread]:
-    return set(threading.enumerate())
+# -- building the stack (real primary tier, registry and runtime) --------------------------------
+
+
+SHM_NAME = f"kvtier-test-config-{os.getpid()}"
+
+
+class FailingOpenTier(MemoryTier):
+    """A tier whose medium cannot be opened (e.g. a missing mount)."""
+
+    primary_buffer_existed: list[bool] = []  # noqa: RUF012 - a record for the test
+
+    async def open(self, context: TierContext) -> None:
+        await super().open(context)
+        # a stat of a tmpfs path: far below anything that could stall the loop
+        self.primary_buffer_existed.append(os.path.exists(f"/dev/shm/{SHM_NAME}"))  # noqa: ASYNC240
+        raise OSError(errno.ENOENT, "no such device: /mnt/kv")
+
+
+@pytest.fixture
+def no_new_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    assert leftover_threads(before) == []
+
+
+def test_spec_builds_the_whole_stack(no_new_threads: None) -> None:
+    spec = TieringOffloadingSpec(
+        {
+            "cpu_bytes_to_use": 16 * 4096,
+            "block_size": 32,
+            "eviction_policy": "arc",
+            "secondary_tiers": [
+                {"type": "memory", "capacity_blocks": 64},
+                {"type": "memory", "name": "second", "job_timeout_s": 5},
+            ],
+        },
+        gpu_block_size=16,
+        gpu_page_bytes=2048,
+        layout_fingerprint="test-model/fp16",
+        metrics_registry=False,
+    )
+    manager = spec.get_manager()
+    assert spec.get_manager() is manager  # built once
+    primary = manager.primary
+    assert isinstance(primary, CPUPrimaryTier)
+    assert (primary.num_blocks, primary.block_bytes) == (16, 4096)
+    assert type(primary.eviction_policy).__name__ == "ARCPolicy"
+    assert [t.tier_type for t in manager.secondary_tiers] == ["memory", "memory"]
+    assert [t.name for t in manager.secondary_tiers] == ["memory-0", "second"]  # type: ignore[attr-defined]
+    # end to end: a stored block is cascaded to both tiers, events carry block_size tokens
+    output = manager.prepare_store([key(1)], NO_CONTEXT)
+    assert output is not None
+    manager.complete_store(output.keys_to_store)
+    settle(manager)
+    assert [t.lookup(key(1), NO_CONTEXT) for t in manager.secondary_tiers] == [True, True]
+    assert {e.block_size for e in manager.take_events()} == {32}
+    spec.shutdown()
+    assert manager.closed
+    spec.shutdown()
+
+
+def test_unknown_tier_type_fails_at_construction() -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\] \(type 'nope'\): .*unknown tier"):
+        TieringOffloadingSpec(
+            {**BASE, "secondary_tiers": [{"type": "memory"}, {"type": "nope"}]}, block_bytes=4096
+        )
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*cannot import"):
+        TieringOffloadingSpec(
+            {**BASE, "secondary_tiers": [{"type": "no_such_module_xyz:Tier"}]}, block_bytes=4096
+        )
+
+
+def test_bad_tier_option_leaves_nothing_behind(no_new_threads: None) -> None:
+    spec = TieringOffloadingSpec(
+        {
+            **BASE,
+            "secondary_tiers": [
+                {"type": "memory"},
+                {"type": "memory"},
+                {"type": "memory", "capacity_blok": 3},
+            ],
+        },
+        block_bytes=4096,
+        metrics_registry=False,
+    )
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[2\].*unknown option 'capacity_blok'"):
+        spec.get_manager()
+
+
+def test_tier_that_fails_to_open_shuts_down_the_tiers_built_before(no_new_threads: None) -> None:
+    spec = TieringOffloadingSpec(
+        {
+            **BASE,
+            "secondary_tiers": [
+                {"type": "memory"},
+                {"type": "memory"},
+                {"type": "tests.test_config:FailingOpenTier"},
+            ],
+        },
+        block_bytes=4096,
+        shared_name=SHM_NAME,
+        metrics_registry=False,
+    )
+    with pytest.raises(OSError, match="no such device"):
+        spec.get_manager()
+    # tiers #0 and #1 are shut down (their loop threads joined: the fixture checks), and the
+    # primary tier's shared buffer, which existed while tier #2 opened, is unlinked
+    assert FailingOpenTier.primary_buffer_existed == [True]
+    assert not os.path.exists(f"/dev/shm/{SHM_NAME}")
+    spec.shutdown()

@@ -95,6 +95,7 @@ class TieringOffloadingSpec:
                 f"layout_fingerprint must be a string, got {type(layout_fingerprint).__name__}"
             )
         self.num_blocks = self.geometry.num_blocks(self.config.cpu_bytes_to_use)
+        _check_tier_types(self.config)
         self.layout_fingerprint = layout_fingerprint
         self.enable_events = enable_events
         self._shared_name = shared_name
@@ -224,6 +225,18 @@ def _geometry(
         block_size=config.block_size,
         world_size=world_size,
     )
+
+
+def _check_tier_types(config: TieringConfig) -> None:
+    """Resolve every tier's type now, so an unknown one fails before anything is built."""
+    from tiering.registry import resolve_tier_class
+
+    for position, tier_config in enumerate(config.secondary_tiers):
+        type_name = tier_config["type"]
+        try:
+            resolve_tier_class(type_name, tier_config.get("module_path"))
+        except ConfigError as exc:
+            raise ConfigError(f"secondary_tiers[{position}] (type {type_name!r}): {exc}") from exc
 
 
 def _shut_down_partial(tiers: list[SecondaryTierManager], primary: Any) -> None:
