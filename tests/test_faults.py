@@ -138,16 +138,25 @@ def test_plans_are_validated() -> None:
 # -- the kit catches broken tiers -----------------------------------------------------------
 
 
-class TornWrites(MemoryTier):
+class TornWrites(AsyncTier):
     """Broken: a block is visible half-written while its write is still running."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[OffloadKey, bytes] = {}
+
+    async def contains(self, key: OffloadKey) -> bool:
+        return key in self.blocks
+
+    async def read(self, key: OffloadKey, into: memoryview) -> None:
+        if key not in self.blocks:
+            raise BlockNotFound(key)
+        into[:] = self.blocks[key]
 
     async def write(self, key: OffloadKey, data: memoryview) -> None:
         half = len(data) // 2
-        self._blocks[key] = bytes(data[:half]) + bytes(len(data) - half)
+        self.blocks[key] = bytes(data[:half]) + bytes(len(data) - half)
         await asyncio.sleep(0)
-        self._blocks[key] = bytes(data)
-
-    write_many = AsyncTier.write_many
+        self.blocks[key] = bytes(data)
 
 
 class ZerosForMissing(MemoryTier):

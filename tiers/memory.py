@@ -1,8 +1,9 @@
 """The in-memory tier: the seed's example tier made real, and the reference implementation.
 
-It keeps each block's bytes in a dict, optionally bounded by a number of
-blocks or bytes, evicting with one of the framework's policies (``"lru"`` or
-``"arc"``) and reporting evictions through :meth:`AsyncTier.report_removed`.
+It keeps each block's bytes in memory, optionally bounded by a number of
+blocks or bytes (then in fixed slots of one preallocated mapping), evicting
+with one of the framework's policies (``"lru"`` or ``"arc"``) and reporting
+evictions through :meth:`AsyncTier.report_removed`.
 Every operation completes without awaiting anything, so it is trivially
 cancellation-safe: a write either happened entirely or not at all.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import cast
 
@@ -34,9 +36,12 @@ class MemoryTier(AsyncTier):
     """Blocks held in this process's memory, optionally bounded with eviction.
 
     ``capacity_blocks`` or ``capacity_bytes`` (not both) bounds the tier; the
-    byte bound is turned into whole blocks at :meth:`open`. Unbounded when
-    neither is given. ``eviction_policy`` names the policy choosing victims.
-    Reads and writes count as uses for the policy; :meth:`touch` too.
+    byte bound is turned into whole blocks at :meth:`open`. A bounded tier
+    keeps its blocks in fixed slots of one anonymous memory mapping (pages are
+    touched on first use, and an evicted block's slot is reused, so a tier in
+    steady state allocates nothing); an unbounded one keeps one ``bytes`` per
+    block. ``eviction_policy`` names the policy choosing victims. Reads and
+    writes count as uses for the policy; :meth:`touch` too.
     """
 
     max_concurrency = 64
@@ -50,10 +55,8 @@ class MemoryTier(AsyncTier):
     ) -> None:
         if capacity_blocks is not None and capacity_bytes is not None:
             raise ConfigError("give capacity_blocks or capacity_bytes, not both")
-        for name, value in (
-            ("capacity_blocks", capacity_blocks),
-            ("capacity_bytes", capacity_bytes),
-        ):
+        bounds = (("capacity_blocks", capacity_blocks), ("capacity_bytes", capacity_bytes))
+        for name, value in bounds:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
             if value is not None and value <= 0:
@@ -67,10 +70,10 @@ class MemoryTier(AsyncTier):
         self._capacity_bytes = capacity_bytes
         self._policy_name = eviction_policy
         self._policy: EvictionPolicy[Hashable] | None = None
-        self._blocks: dict[OffloadKey, bytes] = {}
+        self._store: _HeapStore | _ArenaStore = _HeapStore()
 
     async def open(self, context: TierContext) -> None:
-        """Size the bound in blocks and build the eviction policy.
+        """Size the bound in blocks, map the arena and build the eviction policy.
 
         Raises :class:`~tiering.errors.ConfigError` when ``capacity_bytes`` is
         smaller than one block. Cancellation: nothing to undo.
@@ -86,15 +89,16 @@ class MemoryTier(AsyncTier):
             self.capacity_blocks = blocks
         if self.capacity_blocks is not None:
             self._policy = make_policy(self._policy_name, self.capacity_blocks)
+            self._store = _ArenaStore(self.capacity_blocks, context.block_bytes)
 
     @property
     def num_blocks(self) -> int:
         """Blocks held now."""
-        return len(self._blocks)
+        return len(self._store)
 
     async def contains(self, key: OffloadKey) -> bool:
         """Whether ``key`` is held. Cancellation: no side effects."""
-        return key in self._blocks
+        return key in self._store
 
     async def read(self, key: OffloadKey, into: memoryview) -> None:
         """Copy ``key``'s block into ``into``. Cancellation: the copy is atomic."""
@@ -109,7 +113,7 @@ class MemoryTier(AsyncTier):
 
     async def delete(self, key: OffloadKey) -> None:
         """Drop ``key``'s block if held. Cancellation: atomic."""
-        if self._blocks.pop(key, None) is not None and self._policy is not None:
+        if self._store.drop(key) and self._policy is not None:
             self._policy.remove(key)
 
     async def touch(self, keys: Sequence[OffloadKey]) -> None:
@@ -123,7 +127,7 @@ class MemoryTier(AsyncTier):
 
         Cancellation: no side effects.
         """
-        return list(self._blocks)
+        return self._store.keys()
 
     async def read_many(self, keys: Sequence[OffloadKey], into: Sequence[memoryview]) -> None:
         """``read`` of each key in turn (no task per key). Cancellation: per block atomic."""
@@ -134,10 +138,8 @@ class MemoryTier(AsyncTier):
         await self._batch(keys, data, self._write_now)
 
     async def aclose(self) -> None:
-        """Drop every block. Idempotent. Cancellation: atomic."""
-        self._blocks.clear()
-        if self._policy is not None and self.capacity_blocks is not None:
-            self._policy = make_policy(self._policy_name, self.capacity_blocks)
+        """Drop every block and unmap the arena. Idempotent. Cancellation: atomic."""
+        self._store.close()
 
     # -- synchronous cores ------------------------------------------------------------------
 
@@ -147,31 +149,28 @@ class MemoryTier(AsyncTier):
 
     def _read_now(self, key: OffloadKey, into: memoryview) -> None:
         self._check_size(into)
-        block = self._blocks.get(key)
-        if block is None:
+        if not self._store.copy_out(key, into):
             raise BlockNotFound(key)
-        into[:] = block
         if self._policy is not None:
             self._policy.access(key)
 
     def _write_now(self, key: OffloadKey, data: memoryview) -> None:
         self._check_size(data)
-        block = bytes(data)
-        policy = self._policy
-        if key in self._blocks:
-            self._blocks[key] = block
+        store, policy = self._store, self._policy
+        if key in store:
+            store.put(key, data)
             if policy is not None:
                 policy.access(key)
             return
-        if policy is not None and len(self._blocks) >= policy.capacity:
+        if policy is not None and len(store) >= policy.capacity:
             victims = [
                 cast(OffloadKey, v)
-                for v in policy.evict(len(self._blocks) - policy.capacity + 1, _any_key)
+                for v in policy.evict(len(store) - policy.capacity + 1, _any_key)
             ]
             for victim in victims:
-                del self._blocks[victim]
+                store.drop(victim)
             self.report_removed(victims)
-        self._blocks[key] = block
+        store.put(key, data)
         if policy is not None:
             policy.insert(key)
 
@@ -199,6 +198,96 @@ class MemoryTier(AsyncTier):
                 copied += buffer.nbytes
         if errors:
             raise PartialBatchError(succeeded, errors)
+
+
+class _HeapStore:
+    """Unbounded: one ``bytes`` object per block."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[OffloadKey, bytes] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def keys(self) -> list[OffloadKey]:
+        return list(self.blocks)
+
+    def copy_out(self, key: OffloadKey, into: memoryview) -> bool:
+        block = self.blocks.get(key)
+        if block is None:
+            return False
+        into[:] = block
+        return True
+
+    def put(self, key: OffloadKey, data: memoryview) -> None:
+        self.blocks[key] = bytes(data)
+
+    def drop(self, key: OffloadKey) -> bool:
+        return self.blocks.pop(key, None) is not None
+
+    def close(self) -> None:
+        self.blocks.clear()
+
+
+class _ArenaStore:
+    """Bounded: ``capacity`` fixed slots of one anonymous mapping, reused after eviction."""
+
+    def __init__(self, capacity: int, block_bytes: int) -> None:
+        self._map: mmap.mmap | None = mmap.mmap(-1, capacity * block_bytes)
+        self._arena = memoryview(self._map)
+        self._block_bytes = block_bytes
+        self._capacity = capacity
+        self._slots: dict[OffloadKey, int] = {}
+        self._free: list[int] = []
+        self._never_used = 0  # slots [_never_used, capacity) were never handed out
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slots
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def keys(self) -> list[OffloadKey]:
+        return list(self._slots)
+
+    def copy_out(self, key: OffloadKey, into: memoryview) -> bool:
+        slot = self._slots.get(key)
+        if slot is None:
+            return False
+        start = slot * self._block_bytes
+        into[:] = self._arena[start : start + self._block_bytes]
+        return True
+
+    def put(self, key: OffloadKey, data: memoryview) -> None:
+        slot = self._slots.get(key)
+        if slot is None:
+            if self._free:
+                slot = self._free.pop()
+            elif self._never_used < self._capacity:
+                slot, self._never_used = self._never_used, self._never_used + 1
+            else:
+                raise RuntimeError("memory tier arena is full (evict before storing)")
+        start = slot * self._block_bytes
+        self._arena[start : start + self._block_bytes] = data
+        self._slots[key] = slot
+
+    def drop(self, key: OffloadKey) -> bool:
+        slot = self._slots.pop(key, None)
+        if slot is None:
+            return False
+        self._free.append(slot)
+        return True
+
+    def close(self) -> None:
+        self._slots.clear()
+        self._free.clear()
+        if self._map is not None:
+            self._arena.release()
+            self._map.close()
+            self._map = None
 
 
 class ExampleTier(MemoryTier):
