@@ -491,6 +491,32 @@ def test_prometheus_metrics_follow_the_stats() -> None:
     assert registry.get_sample_value("kv_tiering_tier_blocks", labels) is None  # unregistered
 
 
+def test_metrics_go_to_the_default_registry_with_unique_names() -> None:
+    registry = prometheus_client.REGISTRY
+    one, _, _ = build(tiers=("memory",), metrics_registry=None, name="default-reg")
+    two, _, _ = build(tiers=("memory",), metrics_registry=None, name="default-reg")
+    with one, two:
+        assert (one.metrics_name, two.metrics_name) == ("default-reg", "default-reg-2")
+        store(two, [key(1)])
+        settle(two)
+        one.publish_metrics()
+        two.publish_metrics()
+        labels = {"tier": "memory", "medium": "memory"}
+        assert (
+            registry.get_sample_value(
+                "kv_tiering_tier_cascaded_blocks_total", {"manager": "default-reg-2", **labels}
+            )
+            == 1
+        )
+        assert (
+            registry.get_sample_value(
+                "kv_tiering_tier_cascaded_blocks_total", {"manager": "default-reg", **labels}
+            )
+            == 0
+        )
+    assert registry.get_sample_value("kv_tiering_lookups_total", {"manager": "default-reg"}) is None
+
+
 def test_metrics_names_are_unique_per_registry() -> None:
     registry = prometheus_client.CollectorRegistry()
     one, _, _ = build(tiers=(), metrics_registry=registry, name="same")
