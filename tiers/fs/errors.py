@@ -12,11 +12,13 @@ class TierFullError(TieringError):
     (the framework retries later) and nothing is overwritten.
     """
 
-    def __init__(self, key: bytes, capacity_slots: int) -> None:
-        super().__init__(
-            f"no slot for block {key.hex()}: all {capacity_slots} slots are being "
-            "written or read right now"
+    def __init__(self, key: bytes, capacity_slots: int, batch_blocks: int) -> None:
+        why = (
+            f"a batch of {batch_blocks} blocks is larger than the tier's {capacity_slots} slots"
+            if batch_blocks > capacity_slots
+            else f"all {capacity_slots} slots are being written or read right now"
         )
+        super().__init__(f"no slot for block {key.hex()}: {why}")
         self.key = key
 
 

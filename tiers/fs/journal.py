@@ -133,7 +133,7 @@ class JournalWriter:
         self._snapshot = snapshot
         self._live_count = live_count
         self._retry_compaction_at = 0
-        self._pending: list[bytes] = []
+        self._pending: list[tuple[bytes, bool]] = []
         self._callbacks: list[tuple[Callable[[], None] | None, Callable[[], None] | None]] = []
         self._appended_seq = 0
         self._durable_seq = 0
@@ -164,18 +164,21 @@ class JournalWriter:
         payload: bytes,
         on_durable: Callable[[], None] | None = None,
         on_failed: Callable[[], None] | None = None,
+        *,
+        retry: bool = False,
     ) -> int:
         """Queue encoded records; returns their sequence number. Never blocks.
 
         ``on_durable`` runs on the loop once they are durable; ``on_failed``
-        instead if their write fails (the records are still retried later, so
-        they may reach the file after all: replay tolerates that).
+        instead if their write fails. Failed records are dropped, unless
+        ``retry`` (DEL records: a freed slot must stay unusable until its
+        DEL is in the file), which are written again with the next flush.
         """
         if self._closing or self._broken is not None:
             raise RuntimeError(f"journal is closed{f': {self._broken}' if self._broken else ''}")
         self._appended_seq += 1
         if payload:
-            self._pending.append(payload)
+            self._pending.append((payload, retry))
         if on_durable is not None or on_failed is not None:
             self._callbacks.append((on_durable, on_failed))
         self._wakeup.set()
@@ -248,8 +251,8 @@ class JournalWriter:
     # -- internals ----------------------------------------------------------------------
 
     async def _flush_once(self) -> None:
-        payload = b"".join(self._pending)
-        self._pending = []
+        taken, self._pending = self._pending, []
+        payload = b"".join(chunk for chunk, _ in taken)
         callbacks, self._callbacks = self._callbacks, []
         upto = self._appended_seq
         try:
@@ -268,8 +271,11 @@ class JournalWriter:
             if self._sync_each_flush:
                 await self._fsync_journal()
         except OSError as exc:
-            # Retry these records with the next flush; their waiters fail now.
-            self._pending.insert(0, payload)
+            # Cut whatever part of the write landed, so no record of it can be replayed;
+            # DEL records are written again with the next flush, the others are dropped.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._offset)
+            self._pending[:0] = [(chunk, retry) for chunk, retry in taken if retry]
             self._failure = exc
             logger.error("fs tier: %s", exc)
             for _, on_failed in callbacks:

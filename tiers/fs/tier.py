@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import xxhash
 
@@ -34,7 +34,7 @@ from tiering.errors import (
 from tiering.keys import OffloadKey
 from tiering.policies import EvictionPolicy, make_policy
 from tiering.tier import AsyncTier, TierContext
-from tiers.fs.config import FsTierConfig
+from tiers.fs.config import DEFAULT_MAX_IO_BYTES, DEFAULT_SLAB_BYTES, FsTierConfig
 from tiers.fs.errors import RootInUseError, TierFullError
 from tiers.fs.index import Entry, SlotIndex
 from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
@@ -143,8 +143,42 @@ class FileSystemTier(AsyncTier):
 
     shared = False
 
-    def __init__(self, **config: Any) -> None:
-        self.config = FsTierConfig.from_kwargs(**config)
+    def __init__(
+        self,
+        *,
+        root_dir: str | os.PathLike[str],
+        capacity_bytes: int | str | None = None,
+        n_read_threads: int = 8,
+        n_write_threads: int = 4,
+        io_backend: str = "auto",
+        direct_io: bool | str | None = "auto",
+        durability: str = "periodic",
+        sync_interval_s: float = 1.0,
+        eviction_policy: str = "lru",
+        slab_bytes: int | str = DEFAULT_SLAB_BYTES,
+        queue_depth: int = 32,
+        max_io_bytes: int | str = DEFAULT_MAX_IO_BYTES,
+        on_layout_mismatch: str = "reset",
+        preallocate: bool = True,
+        create_root_dir: bool = True,
+    ) -> None:
+        self.config = FsTierConfig.from_kwargs(
+            root_dir=root_dir,
+            capacity_bytes=capacity_bytes,
+            n_read_threads=n_read_threads,
+            n_write_threads=n_write_threads,
+            io_backend=io_backend,
+            direct_io=direct_io,
+            durability=durability,
+            sync_interval_s=sync_interval_s,
+            eviction_policy=eviction_policy,
+            slab_bytes=slab_bytes,
+            queue_depth=queue_depth,
+            max_io_bytes=max_io_bytes,
+            on_layout_mismatch=on_layout_mismatch,
+            preallocate=preallocate,
+            create_root_dir=create_root_dir,
+        )
         if self.config.io_backend == "uring":
             from tiers.fs.io import uring_unavailable_reason
 
@@ -216,13 +250,7 @@ class FileSystemTier(AsyncTier):
             "EvictionPolicy[OffloadKey]", make_policy(cfg.eviction_policy, geometry.capacity_slots)
         )
         index = SlotIndex.restore(geometry.capacity_slots, policy, prepared.entries)
-        backend = make_backend(
-            cfg.io_backend,
-            loop,
-            queue_depth=cfg.queue_depth,
-            n_read_threads=cfg.n_read_threads,
-            n_write_threads=cfg.n_write_threads,
-        )
+        backend = self._make_backend(loop)
         state: _Open | None = None
 
         async def sync_data_strict() -> None:
@@ -257,6 +285,17 @@ class FileSystemTier(AsyncTier):
                 loop.create_task(self._periodic_sync(state), name=f"fs-tier-sync-{id(self)}")
             )
         return state
+
+    def _make_backend(self, loop: asyncio.AbstractEventLoop) -> IoBackend:
+        """The I/O backend the config asks for (tests override this to inject faults)."""
+        cfg = self.config
+        return make_backend(
+            cfg.io_backend,
+            loop,
+            queue_depth=cfg.queue_depth,
+            n_read_threads=cfg.n_read_threads,
+            n_write_threads=cfg.n_write_threads,
+        )
 
     async def aclose(self) -> None:
         """Flush the journal (fdatasync unless durability is "none"), stop tasks, close files.
@@ -334,7 +373,7 @@ class FileSystemTier(AsyncTier):
             return
         seq = state.journal.next_seq
         state.index.remove(key, seq)
-        state.journal.append(encode_del(key, state.seed))
+        state.journal.append(encode_del(key, state.seed), retry=True)
         await state.journal.wait_durable(seq)
 
     # -- reads --------------------------------------------------------------------------
@@ -430,7 +469,7 @@ class FileSystemTier(AsyncTier):
         seq = state.journal.next_seq
         state.index.remove(key, seq)
         with contextlib.suppress(RuntimeError):  # closing: the entry is gone from memory anyway
-            state.journal.append(encode_del(key, state.seed))
+            state.journal.append(encode_del(key, state.seed), retry=True)
         self.report_removed([key])
         logger.warning("fs tier %s: dropped block %s: %s", self.context.name, key.hex(), why)
 
@@ -471,7 +510,9 @@ class FileSystemTier(AsyncTier):
         errors: dict[bytes, BaseException] = {}
         reservation = index.reserve(len(keys), journal.durable_seq, journal.next_seq)
         if reservation.evicted:
-            journal.append(b"".join(encode_del(k, state.seed) for k, _ in reservation.evicted))
+            journal.append(
+                b"".join(encode_del(k, state.seed) for k, _ in reservation.evicted), retry=True
+            )
             self.stats.evictions += len(reservation.evicted)
             self.report_removed([k for k, _ in reservation.evicted])
         blocks = [
@@ -479,7 +520,7 @@ class FileSystemTier(AsyncTier):
             for key, view, slot in zip(keys, views, reservation.slots, strict=False)
         ]
         for key in keys[len(blocks) :]:
-            errors[key] = TierFullError(key, index.capacity_slots)
+            errors[key] = TierFullError(key, index.capacity_slots, len(keys))
         owned = {block.slot for block in blocks}  # released in `finally` unless handed on
         try:
             if blocks:

@@ -136,7 +136,11 @@ class UringBackend(IoBackend):
             except BlockingIOError:
                 break
             completion = cqe[0]
-            user_data, res = completion.user_data, completion.res
+            user_data = completion.user_data
+            try:
+                res = completion.res
+            except OSError as exc:  # the binding raises for a negative result
+                res = -(exc.errno or errno.EIO)
             lib.io_uring_cqe_seen(ring, completion)
             entry = self._inflight.pop(user_data, None)
             if entry is None:
