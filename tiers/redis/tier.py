@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tiering.errors import BlockNotFound, ConfigError, CorruptBlock, PartialBatchError
 from tiering.keys import OffloadKey
@@ -102,6 +102,10 @@ class RedisTier(AsyncTier):
             self._layout.value_len, self.config.max_pipeline_bytes // self._layout.value_len
         )
         self._client = build_client(self.config)
+        # Loads verify and copy each value while redis-py parses the pipeline's replies,
+        # with the value still hot in cache, and drop it at once (see _load_reply).
+        for command in ("GET", "GETEX"):
+            self._client.set_response_callback(command, self._load_reply)
         try:
             async with asyncio.timeout(self._round_trip_budget_s):
                 await self._client.ping()
@@ -229,37 +233,39 @@ class RedisTier(AsyncTier):
         corrupt: list[OffloadKey] = []
         for lo, hi in self._chunks(len(keys)):
             chunk = keys[lo:hi]
-            names = [layout.redis_key(k) for k in chunk]
+            loads = [
+                (layout.redis_key(k), _Load(k, dest))
+                for k, dest in zip(chunk, into[lo:hi], strict=True)
+            ]
 
-            def fill(pipe: Any, names: list[bytes] = names) -> None:
-                for name in names:
+            def fill(pipe: Any, loads: list[tuple[bytes, _Load]] = loads) -> None:
+                for name, load in loads:
                     if ttl_ms is None:
-                        pipe.get(name)
+                        pipe.execute_command("GET", name, kvt_load=load)
                     else:
-                        pipe.getex(name, px=ttl_ms)
+                        pipe.execute_command("GETEX", name, "PX", ttl_ms, kvt_load=load)
 
             try:
                 replies = await self._round_trip("GET", fill)
             except Exception as exc:
                 errors.update(dict.fromkeys(chunk, exc))
                 continue
-            for key, reply, dest in zip(chunk, replies, into[lo:hi], strict=True):
-                try:
-                    if isinstance(reply, BaseException):
-                        if str(reply).startswith("WRONGTYPE"):
-                            raise CorruptBlock(key, "the key holds a non-string value")
-                        raise self._translate(reply, "GET", key)
-                    if reply is None:
-                        gone.append(key)
-                        raise BlockNotFound(key)
-                    layout.decode_into(key, reply, dest)
-                except CorruptBlock as exc:
-                    corrupt.append(key)
-                    errors[key] = exc
-                except Exception as exc:
-                    errors[key] = exc
-                else:
+            for key, reply in zip(chunk, replies, strict=True):
+                if reply is _LOADED:
                     succeeded.append(key)
+                elif isinstance(reply, BlockNotFound):
+                    gone.append(key)
+                    errors[key] = reply
+                elif isinstance(reply, CorruptBlock):
+                    corrupt.append(key)
+                    errors[key] = reply
+                elif isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
+                    corrupt.append(key)
+                    errors[key] = CorruptBlock(key, "the key holds a non-string value")
+                elif isinstance(reply, BaseException):
+                    errors[key] = self._translate(reply, "GET", key)
+                else:
+                    errors[key] = RuntimeError(f"unexpected reply to GET: {type(reply).__name__}")
         self.stats.blocks_read += len(succeeded)
         self.stats.bytes_read += len(succeeded) * layout.block_bytes
         self.stats.read_failures += len(errors)
@@ -449,6 +455,26 @@ class RedisTier(AsyncTier):
                 self.config.safe_url(),
             )
 
+    def _load_reply(self, response: Any, **options: Any) -> Any:
+        """redis-py's response callback for ``GET``/``GETEX`` on this tier's client.
+
+        Called as each reply is parsed: a load (``kvt_load`` option) is verified
+        and copied into its destination right away, and the value is dropped,
+        so a pipeline never holds more than one value. Never raises (an error
+        here would abandon the rest of the pipeline's replies): returns
+        ``_LOADED`` or the exception for that key.
+        """
+        load: _Load | None = options.get("kvt_load")
+        if load is None:
+            return response
+        if response is None:
+            return BlockNotFound(load.key)
+        try:
+            self._require_layout().decode_into(load.key, response, load.into)
+        except Exception as exc:
+            return exc
+        return _LOADED
+
     async def _drop_corrupt(self, keys: Sequence[OffloadKey]) -> None:
         """Delete values that failed verification, so they stop costing misses.
 
@@ -468,6 +494,17 @@ class RedisTier(AsyncTier):
             logger.warning(
                 "%s: could not delete %d corrupt block(s): %s", self._where("DEL"), len(keys), exc
             )
+
+
+#: What ``_load_reply`` returns for a block verified and copied into place.
+_LOADED = object()
+
+
+class _Load(NamedTuple):
+    """One block a pipeline loads: its key and the destination row."""
+
+    key: OffloadKey
+    into: memoryview
 
 
 async def _single(batch: Coroutine[Any, Any, None], key: OffloadKey) -> None:
