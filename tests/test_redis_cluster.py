@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 
 from tests.support.redis_server import RedisClusterServers, free_port, redis_cluster  # noqa: F401
-from tests.support.redis_tier import context, new_blocks, new_keys, opened_tier, read_back, views
-from tests.test_redis_tier import count_round_trips
+from tests.support.redis_tier import (
+    context,
+    count_round_trips,
+    new_blocks,
+    new_keys,
+    opened_tier,
+    read_back,
+    views,
+)
 from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
 from tiers.redis import HEADER_LEN, RedisTier, RedisTierUnavailable
 

@@ -24,7 +24,7 @@ from tests.support.redis_server import (
     redis_server,  # noqa: F401
     redis_server_factory,  # noqa: F401
 )
-from tests.test_redis_tier import count_round_trips
+from tests.support.redis_tier import count_round_trips
 from tiering.errors import ConfigError
 from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key

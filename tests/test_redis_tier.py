@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from tests.support.redis_server import RedisServer, redis_server, redis_server_factory  # noqa: F401
 from tests.support.redis_tier import (
     BLOCK_BYTES,
+    collect_removed,
+    count_round_trips,
     new_blocks,
     new_keys,
     opened_tier,
@@ -19,37 +20,9 @@ from tests.support.redis_tier import (
     views,
 )
 from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
-from tiering.keys import OffloadKey
-from tiers.redis import HEADER_LEN, RedisTier
+from tiers.redis import HEADER_LEN
 
 pytestmark = pytest.mark.redis
-
-
-def count_round_trips(tier: RedisTier) -> list[int]:
-    """Spy on the tier's client: one entry (the command count) per pipeline executed."""
-    client: Any = tier._client
-    real_pipeline = client.pipeline
-    executed: list[int] = []
-
-    def pipeline(*args: Any, **kwargs: Any) -> Any:
-        pipe = real_pipeline(*args, **kwargs)
-        real_execute = pipe.execute
-
-        async def execute(*a: Any, **kw: Any) -> Any:
-            executed.append(len(pipe))
-            return await real_execute(*a, **kw)
-
-        pipe.execute = execute
-        return pipe
-
-    client.pipeline = pipeline
-    return executed
-
-
-def collect_removed(tier: RedisTier) -> list[OffloadKey]:
-    removed: list[OffloadKey] = []
-    tier._bind_removed_sink(removed.extend)
-    return removed
 
 
 # -- round trips -------------------------------------------------------------------------------

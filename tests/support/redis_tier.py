@@ -54,3 +54,30 @@ async def read_back(tier: RedisTier, key: OffloadKey) -> bytes:
     into = bytearray(tier.block_bytes)
     await tier.read(key, memoryview(into))
     return bytes(into)
+
+
+def count_round_trips(tier: RedisTier) -> list[int]:
+    """Spy on the tier's client: one entry (the command count) per pipeline executed."""
+    client: Any = tier._client
+    real_pipeline = client.pipeline
+    executed: list[int] = []
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+
+        async def execute(*a: Any, **kw: Any) -> Any:
+            executed.append(len(pipe))
+            return await real_execute(*a, **kw)
+
+        pipe.execute = execute
+        return pipe
+
+    client.pipeline = pipeline
+    return executed
+
+
+def collect_removed(tier: RedisTier) -> list[OffloadKey]:
+    removed: list[OffloadKey] = []
+    tier._bind_removed_sink(removed.extend)
+    return removed
