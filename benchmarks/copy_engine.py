@@ -65,10 +65,26 @@ def median_seconds(fn: Callable[[], None], reps: int) -> float:
     return statistics.median(times)
 
 
-def memcpy_seconds(nbytes: int, reps: int) -> float:
+def paired_median_seconds(
+    fn: Callable[[], None], ceiling: Callable[[], None], reps: int
+) -> tuple[float, float]:
+    """Medians of ``fn`` and ``ceiling`` timed alternately, so both see the same machine load."""
+    fn()
+    ceiling()
+    fn_times, ceiling_times = [], []
+    for _ in range(reps):
+        for f, times in ((fn, fn_times), (ceiling, ceiling_times)):
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+    return statistics.median(fn_times), statistics.median(ceiling_times)
+
+
+def memcpy_of(nbytes: int) -> Callable[[], None]:
+    """A plain memcpy of ``nbytes`` between two page-aligned buffers: the ceiling."""
     src = page_aligned(1, nbytes, 1)
     dst = page_aligned(1, nbytes, 2)
-    return median_seconds(lambda: np.copyto(dst, src), reps)
+    return lambda: np.copyto(dst, src)
 
 
 class JobRunner:
@@ -112,9 +128,10 @@ def host_rows_for(block: int, layers: int, job_bytes: int, reps: int) -> list[tu
         try:
             runner = JobRunner(worker, num_gpu, num_cpu, per_job)
             for label, store in (("store", True), ("load", False)):
-                seconds = median_seconds(lambda s=store, r=runner: r.run(s), reps)
                 moved = per_job * block
-                memcpy_s = memcpy_seconds(moved, reps)  # the ceiling, right beside the row
+                seconds, memcpy_s = paired_median_seconds(
+                    lambda s=store, r=runner: r.run(s), memcpy_of(moved), reps
+                )
                 gbps = moved / seconds / 1e9
                 ceiling = moved / memcpy_s / 1e9
                 rows.append(
