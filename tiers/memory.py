@@ -71,6 +71,7 @@ class MemoryTier(AsyncTier):
         self._policy_name = eviction_policy
         self._policy: EvictionPolicy[Hashable] | None = None
         self._store: _HeapStore | _ArenaStore = _HeapStore()
+        self._block_bytes = 0
 
     async def open(self, context: TierContext) -> None:
         """Size the bound in blocks, map the arena and build the eviction policy.
@@ -87,6 +88,7 @@ class MemoryTier(AsyncTier):
                     f"{context.block_bytes} bytes"
                 )
             self.capacity_blocks = blocks
+        self._block_bytes = context.block_bytes
         if self.capacity_blocks is not None:
             self._policy = make_policy(self._policy_name, self.capacity_blocks)
             self._store = _ArenaStore(self.capacity_blocks, context.block_bytes)
@@ -144,24 +146,33 @@ class MemoryTier(AsyncTier):
     # -- synchronous cores ------------------------------------------------------------------
 
     def _check_size(self, buffer: memoryview) -> None:
-        if buffer.nbytes != self.block_bytes:
-            raise ValueError(f"buffer of {buffer.nbytes} bytes; blocks are {self.block_bytes}")
+        if buffer.nbytes != self._block_bytes:
+            raise ValueError(f"buffer of {buffer.nbytes} bytes; blocks are {self._block_bytes}")
 
     def _read_now(self, key: OffloadKey, into: memoryview) -> None:
-        self._check_size(into)
+        if into.nbytes != self._block_bytes:
+            self._check_size(into)
         if not self._store.copy_out(key, into):
             raise BlockNotFound(key)
         if self._policy is not None:
             self._policy.access(key)
 
     def _write_now(self, key: OffloadKey, data: memoryview) -> None:
-        self._check_size(data)
+        victims = self._put(key, data)
+        if victims:
+            self.report_removed(victims)
+
+    def _put(self, key: OffloadKey, data: memoryview) -> list[OffloadKey]:
+        """Store ``data`` as ``key``'s block; return the keys evicted to make room."""
+        if data.nbytes != self._block_bytes:
+            self._check_size(data)
         store, policy = self._store, self._policy
         if key in store:
             store.put(key, data)
             if policy is not None:
                 policy.access(key)
-            return
+            return _NONE
+        victims = _NONE
         if policy is not None and len(store) >= policy.capacity:
             victims = [
                 cast(OffloadKey, v)
@@ -169,10 +180,10 @@ class MemoryTier(AsyncTier):
             ]
             for victim in victims:
                 store.drop(victim)
-            self.report_removed(victims)
         store.put(key, data)
         if policy is not None:
             policy.insert(key)
+        return victims
 
     async def _batch(
         self,
@@ -185,19 +196,52 @@ class MemoryTier(AsyncTier):
         errors: dict[bytes, BaseException] = {}
         succeeded: list[bytes] = []
         copied = 0
+        writing = operation == self._write_now
+        evicted = self._make_room(keys) if writing else []
         for key, buffer in zip(keys, buffers, strict=True):
             if copied >= _YIELD_EVERY_BYTES:
                 copied = 0
+                if evicted:  # report before yielding: lookups must not outlive the block
+                    self.report_removed(evicted)
+                    evicted = []
                 await asyncio.sleep(0)
             try:
-                operation(key, buffer)
+                if writing:
+                    evicted.extend(self._put(key, buffer))
+                else:
+                    operation(key, buffer)
             except Exception as exc:
                 errors[key] = exc
             else:
                 succeeded.append(key)
                 copied += buffer.nbytes
+        if evicted:
+            self.report_removed(evicted)
         if errors:
             raise PartialBatchError(succeeded, errors)
+
+
+    def _make_room(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Evict, in one policy call, room for the new keys of a batch (not its own keys).
+
+        Returns the victims. When the batch alone exceeds the capacity, makes
+        no room: each write then evicts for itself.
+        """
+        policy, store = self._policy, self._store
+        if policy is None:
+            return []
+        batch = set(keys)
+        new = sum(1 for k in batch if k not in store)
+        overflow = len(store) + new - policy.capacity
+        if overflow <= 0 or new > policy.capacity:
+            return []
+        victims = [cast(OffloadKey, v) for v in policy.evict(overflow, lambda k: k not in batch)]
+        for victim in victims:
+            store.drop(victim)
+        return victims
+
+
+_NONE: list[OffloadKey] = []  # shared empty result (never mutated)
 
 
 class _HeapStore:

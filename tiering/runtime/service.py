@@ -30,6 +30,7 @@ Rules it enforces for every tier:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -49,6 +50,8 @@ logger = logging.getLogger("tiering.runtime")
 
 #: Most keys one resolution (``contains_many``) round covers.
 _RESOLVE_BATCH = 1024
+
+_NO_KEYS: list[OffloadKey] = []  # shared empty result (never mutated)
 
 
 @dataclass(eq=False, slots=True)
@@ -113,6 +116,8 @@ class TierService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id = 0
         self._claims: dict[OffloadKey, asyncio.Future[None]] = {}
+        # Keys the tier reported removed while an operation held them.
+        self._removed_during_op: set[OffloadKey] = set()
         self._jobs: dict[int, _Job] = {}
         self._to_resolve: dict[OffloadKey, None] = {}
         self._resolver: asyncio.Task[None] | None = None
@@ -289,9 +294,12 @@ class TierService:
 
     def _release(self, keys: Sequence[OffloadKey], mine: asyncio.Future[None]) -> None:
         claims = self._claims
+        gone = self._removed_during_op
         for key in keys:
             if claims.get(key) is mine:
                 del claims[key]
+            if gone:
+                gone.discard(key)
             if key in self.unsettled and not self._closing:
                 self._to_resolve[key] = None
         if self._to_resolve and self._resolve_wakeup is not None:
@@ -343,7 +351,10 @@ class TierService:
 
     def _settle_written(self, batch: _Batch) -> None:
         """Publish what a store's writes did: written keys present, the rest unsettled."""
+        gone = self._removed_during_op
         for key in batch.ok:
+            if gone and key in gone:
+                continue  # written, then evicted before the batch returned
             self.present.add(key)
             self.unsettled.discard(key)
             self.absent_at.pop(key, None)
@@ -425,9 +436,10 @@ class TierService:
 
     def _missing(self, keys: Sequence[OffloadKey], busy: object) -> list[OffloadKey]:
         """Keys a private tier certainly lacks (none for a shared tier: it must be asked)."""
-        if self.shared:
-            return []
-        present, unsettled = self.present, self.unsettled
+        present = self.present
+        if self.shared or present.issuperset(keys):
+            return _NO_KEYS
+        unsettled = self.unsettled
         return [
             k
             for k in keys
@@ -485,11 +497,16 @@ class TierService:
 
         Cancellation: propagates after recording the interrupted keys.
         """
-        keys = [job.meta.keys[i] for i in indices]
+        all_keys, all_rows = job.meta.keys, job.rows
+        if len(indices) == len(all_keys):  # the common case: the whole job in one call
+            keys, row_ids = list(all_keys), all_rows
+        else:
+            keys, row_ids = [all_keys[i] for i in indices], [all_rows[i] for i in indices]
         await self._limiter.acquire(len(keys))
         flat, size = self._flat, self.block_bytes
-        rows = [flat[job.rows[i] * size : (job.rows[i] + 1) * size] for i in indices]
-        batch.in_flight.update(keys)
+        rows = [flat[r * size : r * size + size] for r in row_ids]
+        if not load:
+            batch.in_flight.update(keys)
         try:
             if load:
                 await self.tier.read_many(keys, rows)
@@ -512,9 +529,9 @@ class TierService:
             batch.ok.extend(keys)
         finally:
             self._limiter.release(len(keys))
-            for row in rows:
-                _release_view(row)
-        batch.in_flight.difference_update(keys)
+            _release_views(rows)
+        if not load:
+            batch.in_flight.difference_update(keys)
         job.done_keys += len(keys)
 
     def _failure(self, job: _Job, error: str) -> JobResult:
@@ -645,8 +662,11 @@ class TierService:
             return
         now = time.monotonic()
         removed = [k for k in keys if k in self.present]
+        claims = self._claims
         for key in keys:
             self.present.discard(key)
+            if key in claims:  # e.g. evicted by a later write of the same batch
+                self._removed_during_op.add(key)
             if self.shared:
                 self.absent_at[key] = now
         if removed:
@@ -668,8 +688,12 @@ def _describe_errors(errors: dict[OffloadKey, BaseException], total: int, verb: 
     )
 
 
-def _release_view(view: memoryview) -> None:
+def _release_views(views: list[memoryview]) -> None:
     try:
-        view.release()
-    except BufferError:  # the tier still holds an export of it (e.g. a numpy view)
+        for view in views:
+            view.release()
+    except BufferError:  # the tier still holds an export of one (e.g. a numpy view)
         logger.error("a tier kept a buffer of a primary row after its operation returned")
+        for view in views:
+            with contextlib.suppress(BufferError):
+                view.release()
