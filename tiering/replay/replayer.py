@@ -277,10 +277,20 @@ class Replayer:
         return len(keys), pending
 
     def _source_of(self, key: OffloadKey) -> str:
-        """The secondary tier a promotion of ``key`` comes from (the first that has it)."""
+        """The secondary tier a promotion of ``key`` comes from.
+
+        The manager promotes from the first tier, in order, that holds the block; a
+        tier still finding out (None) is the best guess when none says True.
+        """
+        unsure: str | None = None
         for name, tier in self.stack.secondary:
-            if tier.lookup(key, NO_CONTEXT) is not False:
+            answer = tier.lookup(key, NO_CONTEXT)
+            if answer is True:
                 return name
+            if answer is None and unsure is None:
+                unsure = name
+        if unsure is not None:
+            return unsure
         return self.stack.secondary[0][0] if self.stack.secondary else CPU
 
     def _lookup_prefix(self, keys: Sequence[OffloadKey]) -> tuple[int, list[str]]:

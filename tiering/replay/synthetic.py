@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiering.errors import ConfigError
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
@@ -89,25 +89,34 @@ class _BlockNamer:
     def __init__(self) -> None:
         self._ids: dict[tuple[int, _Signature], int] = {}
 
-    def name(self, segments: list[_Segment], block_tokens: int) -> list[int]:
-        ids: list[int] = []
-        parent = -1
+    def name(self, conversation: _Conversation, block_tokens: int) -> list[int]:
+        """Block ids of the conversation's context, naming only what the last call did not.
+
+        A context only grows at its end, so the full blocks named before stay; the
+        walk resumes where the first unfinished block starts.
+        """
+        full = conversation.full_block_ids
+        parent = full[-1] if full else -1
+        index, offset = conversation.next_block_at
+        segments = conversation.segments
         pieces: list[tuple[tuple[str, int], int, int]] = []
         room = block_tokens
-        for segment_id, length in segments:
-            start = 0
-            while start < length:
-                take = min(room, length - start)
-                pieces.append((segment_id, start, start + take))
-                start += take
-                room -= take
-                if room == 0:
-                    parent = self._intern(parent, tuple(pieces))
-                    ids.append(parent)
-                    pieces, room = [], block_tokens
+        while index < len(segments):
+            segment_id, length = segments[index]
+            take = min(room, length - offset)
+            pieces.append((segment_id, offset, offset + take))
+            offset += take
+            room -= take
+            if offset == length:
+                index, offset = index + 1, 0
+            if room == 0:
+                parent = self._intern(parent, tuple(pieces))
+                full.append(parent)
+                conversation.next_block_at = (index, offset)
+                pieces, room = [], block_tokens
         if pieces:
-            ids.append(self._intern(parent, tuple(pieces)))
-        return ids
+            return [*full, self._intern(parent, tuple(pieces))]
+        return list(full)
 
     def _intern(self, parent: int, signature: _Signature) -> int:
         key = (parent, signature)
@@ -122,6 +131,9 @@ class _Conversation:
     system_prompt: int
     turns_left: int
     segments: list[_Segment]
+    # Ids of the context's full blocks, and (segment, offset) where the next one starts.
+    full_block_ids: list[int] = field(default_factory=list)
+    next_block_at: tuple[int, int] = (0, 0)
 
 
 class _Generator:
@@ -180,7 +192,7 @@ class _Generator:
             if input_length > w.max_context_tokens:
                 continue  # the conversation outgrew the context window: it ends here
             output_length = self._lognormal_tokens(w.output_tokens_median)
-            hash_ids = self.namer.name(conversation.segments, w.block_tokens)
+            hash_ids = self.namer.name(conversation, w.block_tokens)
             requests.append(
                 Request(round(now * 1000.0), input_length, output_length, tuple(hash_ids))
             )
