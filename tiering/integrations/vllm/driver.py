@@ -141,6 +141,9 @@ class SchedulerDriver:
         self.num_chunks = int(self.rows.shape[0])
         self.row_bytes = int(self.rows.shape[1])
         self.steps = 0
+        #: ``get_load_source`` of each block the last :meth:`load` loaded (vLLM's
+        #: ``CacheHitSource``: which tier served it, kept across promotion).
+        self.last_load_sources: list[Any] = []
         self._ids = itertools.count()
 
     def lock(self) -> AbstractContextManager[Any]:
@@ -273,6 +276,9 @@ class SchedulerDriver:
                         new_ids = []
                         continue
                     hit_keys = list(keys[: found.hits])
+                    self.last_load_sources = [
+                        self.manager.get_load_source(k, ctx) for k in hit_keys
+                    ]
                     if hit_keys:
                         spec = self.manager.prepare_load(hit_keys, ctx)
                         try:
