@@ -359,3 +359,13 @@ def test_repeated_log_messages_are_shown_three_times_then_counted() -> None:
     assert text.count("a tier kept buffer") == 4  # three shown, one summary
     assert "and 7 more messages like this one: a tier kept buffer 3" in text
     assert "something else" in text
+
+
+def test_capacities_read_from_tier_configs() -> None:
+    from tiering.replay.stack import configured_capacity
+
+    assert configured_capacity({"type": "memory", "capacity_blocks": 7}, 4096) == 7
+    assert configured_capacity({"type": "fs", "capacity_bytes": "1MiB"}, 4096) == 256
+    assert configured_capacity({"type": "fs", "capacity_bytes": 40960}, 4096) == 10
+    assert configured_capacity({"type": "redis"}, 4096) is None
+    assert configured_capacity({"type": "fs", "capacity_bytes": "lots"}, 4096) is None

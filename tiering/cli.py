@@ -1,9 +1,8 @@
 """The ``tiering`` command: ``replay`` a KV-cache workload through the real stack,
 ``sweep`` hit rate against capacity, ``generate`` the built-in workload as a trace.
 
-Exit status: 0 success; 1 a loaded block did not hold the bytes stored (or a sweep
-failed); 2 bad input (trace, config, output path); 130 interrupted (the partial report
-is still printed).
+Exit status: 0 success; 1 a loaded block did not hold the bytes stored; 2 bad input
+(trace, config, tier, output path); 130 interrupted (the partial report is still printed).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any
 
 from tiering.errors import ConfigError
 from tiering.replay.console import consoles, logging_to, progress_bar, stop_on_sigint
-from tiering.replay.units import format_bytes, parse_size
+from tiering.replay.units import parse_size
 
 logger = logging.getLogger("tiering.cli")
 
@@ -586,37 +585,12 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        _render_sweep(result, out, outputs if result.points else {})
+        sweeping.render_table(result, out)
+        if result.points:
+            out.print("Wrote " + ", ".join(str(p) for p in outputs.values()))
+        else:
+            out.print("Interrupted before the first capacity finished: nothing written.")
     return EXIT_INTERRUPTED if stop.is_set() else EXIT_OK
-
-
-def _render_sweep(result: Any, console: Any, outputs: dict[str, Path]) -> None:
-    from rich.table import Table
-
-    names = [*result.policies, "belady"]
-    table = Table(
-        title=f"{result.trace_name}: token-weighted prefix hit rate by capacity "
-        f"({result.num_requests:,} requests, {result.footprint_blocks:,} distinct blocks; "
-        f"unlimited {result.unlimited.token_hit_rate:.1%})",
-        title_justify="left",
-    )
-    table.add_column("capacity (blocks)", justify="right")
-    table.add_column("capacity", justify="right")
-    table.add_column("of footprint", justify="right")
-    for name in names:
-        table.add_column(name.upper() if name != "belady" else "Belady (optimum)", justify="right")
-    for point in result.points:
-        table.add_row(
-            f"{point.capacity_blocks:,}",
-            format_bytes(point.capacity_bytes),
-            f"{point.capacity_blocks / max(1, result.footprint_blocks):.0%}",
-            *(f"{point.hit_rates[n].token_hit_rate:.1%}" for n in names),
-        )
-    console.print(table)
-    if outputs:
-        console.print("Wrote " + ", ".join(str(p) for p in outputs.values()))
-    else:
-        console.print("Interrupted before the first capacity finished: nothing written.")
 
 
 # -- generate -----------------------------------------------------------------------------------

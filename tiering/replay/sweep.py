@@ -3,7 +3,8 @@
 For each capacity the trace is run through a single cache of that many blocks under
 each of the framework's eviction policies (the classes the primary tier uses) and
 under Belady's MIN, the offline upper bound. The unlimited-capacity hit rate is the
-ceiling they all approach. Results are written as CSV, JSON and a PNG plot.
+ceiling they all approach. Results are written as CSV, JSON and a PNG plot, and
+printed as a table.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from tiering.policies import POLICY_NAMES
 from tiering.replay.offline import (
     DEFAULT_STORE_CHUNK_BLOCKS,
@@ -25,6 +29,7 @@ from tiering.replay.offline import (
     unlimited_hit_rate,
 )
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request, trace_footprint
+from tiering.replay.units import format_bytes
 
 BELADY = "belady"
 
@@ -208,3 +213,27 @@ def plot_png(result: SweepResult, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
+
+
+def render_table(result: SweepResult, console: Console) -> None:
+    """Print the sweep as a rich table: one row per capacity, one column per cache."""
+    names = [*result.policies, BELADY]
+    table = Table(
+        title=f"{result.trace_name}: token-weighted prefix hit rate by capacity "
+        f"({result.num_requests:,} requests, {result.footprint_blocks:,} distinct blocks; "
+        f"unlimited {result.unlimited.token_hit_rate:.1%})",
+        title_justify="left",
+    )
+    table.add_column("capacity (blocks)", justify="right")
+    table.add_column("capacity", justify="right")
+    table.add_column("of footprint", justify="right")
+    for name in names:
+        table.add_column("Belady (optimum)" if name == BELADY else name.upper(), justify="right")
+    for point in result.points:
+        table.add_row(
+            f"{point.capacity_blocks:,}",
+            format_bytes(point.capacity_bytes),
+            f"{point.capacity_blocks / max(1, result.footprint_blocks):.0%}",
+            *(f"{point.hit_rates[n].token_hit_rate:.1%}" for n in names),
+        )
+    console.print(table)
