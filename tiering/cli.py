@@ -67,6 +67,16 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -132,6 +142,10 @@ def check_writable(path: Path, what: str) -> None:
 
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
+    # Also accepted after the subcommand, where users tend to put it.
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output"
+    )
     parser.add_argument(
         "trace",
         nargs="?",
@@ -243,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument(
         "--store-wait",
-        type=float,
+        type=_non_negative_float,
         default=5.0,
         metavar="S",
         help="seconds a store refused for lack of room (every CPU block pinned by in-flight "
