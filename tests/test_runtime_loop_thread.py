@@ -11,6 +11,7 @@ from tiering.errors import TierClosedError
 from tiering.runtime import LoopThread, WrongThreadError
 from tiering.runtime.limiter import BlockLimiter
 from tiering.runtime.mailbox import Mailbox
+from tiering.tier import run_in_thread
 
 
 async def _add(a: int, b: int) -> int:
@@ -171,3 +172,24 @@ async def test_limiter_granted_then_cancelled_gives_units_back() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert limiter.in_use == 0
+
+
+async def test_run_in_thread_returns_and_waits_for_the_thread_when_cancelled() -> None:
+    assert await run_in_thread(sum, [1, 2, 3]) == 6
+    started, release = threading.Event(), threading.Event()
+    finished: list[bool] = []
+
+    def blocking() -> None:
+        started.set()
+        release.wait(5)
+        finished.append(True)
+
+    task = asyncio.ensure_future(run_in_thread(blocking))
+    await asyncio.to_thread(started.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # the thread still uses its arguments: the task waits for it
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == [True]

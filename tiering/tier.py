@@ -7,6 +7,11 @@ concurrency, results, presence bookkeeping for lookups, and events.
 
 The implementor's contract
 --------------------------
+**Construction.** ``__init__`` only validates and stores options (raise
+:class:`~tiering.errors.ConfigError` for bad ones); it runs on the caller's
+thread before the tier's loop exists, so it must not touch a loop, connect or
+do I/O. :meth:`AsyncTier.open` does that, on the tier's loop.
+
 **Thread.** Every method of a tier is called on the tier's own event-loop
 thread, never concurrently with ``open``/``aclose``, and may be called
 concurrently with itself for *different* keys (up to ``max_concurrency``
@@ -18,7 +23,14 @@ blocking calls.
 **Buffers.** ``data`` (``write``) and ``into`` (``read``) are memoryviews of
 exactly ``block_bytes`` bytes, usually rows of the primary tier's host
 buffer. They are valid only until the coroutine returns (or is cancelled):
-never keep a reference. A ``read`` fills all of ``into`` or raises.
+never keep a reference. A ``read`` fills all of ``into`` or raises. If you
+hand a buffer to a thread (``asyncio.to_thread``) or to the kernel
+(io_uring), do not return, and do not let a cancellation propagate, until that
+work has stopped touching the buffer: cancelling an ``await`` does not stop a
+thread, and the row may be reused for another block the moment your
+coroutine ends. :func:`run_in_thread` does this for a blocking call
+(``await run_in_thread(os.preadv, fd, [into], offset)``); for io_uring, wait
+for the completion (or a successful cancel) of every submitted entry.
 
 **Cancellation.** Any coroutine may be cancelled (deadline expiry, shutdown).
 A cancelled ``write`` must never leave a readable partial block: make the
@@ -35,6 +47,22 @@ error into a failed job, a counter and one log line; a failed load is a miss.
 **Evictions.** A bounded tier that drops blocks on its own (eviction,
 corruption found, server-side expiry) calls :meth:`AsyncTier.report_removed`
 so lookups stop answering True for them.
+
+**What the runtime does with it** (:class:`tiering.runtime.AsyncTierManager`).
+After ``open`` it calls ``list_keys`` once to learn what is stored; from then
+on, for a tier with ``shared = False``, its own record of writes, removals and
+failed reads is authoritative: a lookup never reaches the tier, and a load of
+a key it does not know fails without calling ``read``. With ``shared = True``
+unknown keys are asked with ``contains_many`` (batched across lookups), a
+store first skips keys ``contains_many`` finds, and a present key whose read
+raises ``BlockNotFound`` becomes a miss. Jobs reach the tier as ``read_many``
+/ ``write_many`` calls of at most ``max_concurrency`` keys; override those to
+batch for real (one round trip, one submission). A key whose ``write`` raised
+or was cancelled is checked with ``contains`` before lookups see it again.
+``touch`` is metadata only: it may run while a data operation on the same key
+is in flight. An ``int`` attribute ``capacity_blocks`` (most blocks held) is
+reported in the runtime's statistics when present. Check a tier with
+:func:`tiering.testing.conformance.check_tier`.
 """
 
 from __future__ import annotations
@@ -210,6 +238,25 @@ class AsyncTier:
 
 
 T = TypeVar("T")
+
+
+async def run_in_thread(fn: Callable[..., T], *args: object) -> T:
+    """Run blocking ``fn(*args)`` in the loop's default executor and return its result.
+
+    For tier operations that pass a block buffer to a blocking call: unlike a
+    bare ``await asyncio.to_thread(...)``, a cancellation waits for the thread
+    to finish before propagating, so the buffer is never touched after the
+    operation ended (see "Buffers" in this module's contract). Cancellation:
+    waits for ``fn`` to return, then raises ``CancelledError``.
+    """
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # retrieved: the cancellation is what propagates
+        raise
 
 
 async def _run_bounded(
