@@ -369,3 +369,16 @@ def test_capacities_read_from_tier_configs() -> None:
     assert configured_capacity({"type": "fs", "capacity_bytes": 40960}, 4096) == 10
     assert configured_capacity({"type": "redis"}, 4096) is None
     assert configured_capacity({"type": "fs", "capacity_bytes": "lots"}, 4096) is None
+
+
+def test_the_default_stack_is_cpu_plus_a_filesystem_tier_in_a_temporary_directory(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["replay", "--requests", "150", "--block-bytes", "8KiB", "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    fs = report["tiers"][2]
+    assert fs["name"] == "fs" and fs["stored_blocks"] > 0
+    root = Path(report["setup"]["secondary_tiers"][0]["root_dir"])
+    assert root.name == "fs" and not root.parent.exists()  # cleaned up after the run
+    assert report["ok"] and report["verification"]["mismatches"] == 0
+    assert report["hit_rate"]["total"] <= report["hit_rate"]["unlimited"] + 1e-9
