@@ -56,6 +56,7 @@ _POLL_SLEEP_MAX_S = 1e-3
 _MAX_MISMATCH_EXAMPLES = 10
 
 
+@dataclass(frozen=True, slots=True)
 class ReplayStack:
     """What the replay drives: the manager, its primary buffer and its secondary tiers.
 
@@ -64,26 +65,13 @@ class ReplayStack:
     ``SecondaryTierManager``, in lookup order.
     """
 
-    def __init__(
-        self,
-        *,
-        manager: OffloadingManager,
-        kv_view: memoryview,
-        block_bytes: int,
-        secondary: Sequence[tuple[str, SecondaryTierManager]],
-        step: Callable[[], object],
-        stats: Callable[[], ManagerStats],
-        shutdown: Callable[[], None],
-        primary_name: str = CPU,
-    ) -> None:
-        self.manager = manager
-        self.kv_view = kv_view
-        self.block_bytes = block_bytes
-        self.secondary = list(secondary)
-        self.step = step
-        self.stats = stats
-        self.shutdown = shutdown
-        self.primary_name = primary_name
+    manager: OffloadingManager
+    kv_view: memoryview
+    block_bytes: int
+    secondary: Sequence[tuple[str, SecondaryTierManager]]
+    step: Callable[[], object]
+    stats: Callable[[], ManagerStats]
+    shutdown: Callable[[], None]
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tiering.errors import ConfigError
-from tiering.replay.replayer import CPU, ReplayStack
+from tiering.replay.replayer import ReplayStack
 from tiering.replay.units import parse_size
 
 #: Tokens per offloaded block are the trace's (512 for Mooncake), whatever the config says.
@@ -159,5 +159,4 @@ def build_stack(
         step=manager.step,
         stats=manager.stats,
         shutdown=spec.shutdown,
-        primary_name=CPU,
     )
