@@ -29,8 +29,8 @@ from tiering.runtime.stats import TierStats as RuntimeTierStats
 from tiering.stats import ManagerStats, TierStats
 
 
-def _rate(part: int, whole: int) -> float:
-    return part / whole if whole else 0.0
+def _rate(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
 
 
 def _throughput(blocks: int, block_bytes: int, seconds: float) -> dict[str, float]:
@@ -247,16 +247,12 @@ def build_report(
             "drain_s": drain,
             "drained": totals.drained,
             "other_s": other,
-            "gpu_side_fraction": _rate_f(gpu_side, totals.wall_s),
-            "tier_work_fraction": _rate_f(tier_work + drain, totals.wall_s),
-            "requests_per_s": _rate_f(totals.requests_done, totals.wall_s),
-            "blocks_per_s": _rate_f(totals.total_blocks, totals.wall_s),
+            "gpu_side_fraction": _rate(gpu_side, totals.wall_s),
+            "tier_work_fraction": _rate(tier_work + drain, totals.wall_s),
+            "requests_per_s": _rate(totals.requests_done, totals.wall_s),
+            "blocks_per_s": _rate(totals.total_blocks, totals.wall_s),
         },
     }
-
-
-def _rate_f(part: float, whole: float) -> float:
-    return part / whole if whole > 0 else 0.0
 
 
 # -- rendering ------------------------------------------------------------------------------
