@@ -32,6 +32,16 @@ globals().update(
         skip=NOT_PERSISTENT,
     )
 )
+# Large blocks take the numpy (GIL-free) copy path of the bounded arena.
+globals().update(
+    conformance_tests(
+        lambda: MemoryTier(capacity_blocks=300),
+        prefix="test_large_blocks_",
+        skip=NOT_PERSISTENT,
+        block_bytes=512 << 10,
+        concurrency=8,
+    )
+)
 
 BLOCK = 64
 

@@ -18,7 +18,9 @@ import asyncio
 import logging
 import mmap
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import cast
+from typing import Any, cast
+
+import numpy as np
 
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
@@ -26,6 +28,9 @@ from tiering.policies import POLICY_NAMES, EvictionPolicy, make_policy
 from tiering.tier import AsyncTier, TierContext
 
 logger = logging.getLogger(__name__)
+
+#: Blocks at least this large are copied by numpy with the GIL released.
+_GIL_FREE_COPY_BYTES = 256 << 10
 
 #: Batch forms yield to the event loop after copying this many bytes, so a
 #: large batch never holds the loop for more than a few milliseconds.
@@ -220,7 +225,6 @@ class MemoryTier(AsyncTier):
         if errors:
             raise PartialBatchError(succeeded, errors)
 
-
     def _make_room(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """Evict, in one policy call, room for the new keys of a batch (not its own keys).
 
@@ -277,11 +281,19 @@ class _HeapStore:
 
 
 class _ArenaStore:
-    """Bounded: ``capacity`` fixed slots of one anonymous mapping, reused after eviction."""
+    """Bounded: ``capacity`` fixed slots of one anonymous mapping, reused after eviction.
+
+    Blocks of at least :data:`_GIL_FREE_COPY_BYTES` are copied with numpy,
+    which releases the GIL during the copy, so the scheduler thread keeps
+    running Python meanwhile; smaller copies are cheaper than the GIL hand-off.
+    """
 
     def __init__(self, capacity: int, block_bytes: int) -> None:
         self._map: mmap.mmap | None = mmap.mmap(-1, capacity * block_bytes)
         self._arena = memoryview(self._map)
+        self._rows: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        if block_bytes >= _GIL_FREE_COPY_BYTES:
+            self._rows = np.frombuffer(self._map, dtype=np.uint8).reshape(capacity, block_bytes)
         self._block_bytes = block_bytes
         self._capacity = capacity
         self._slots: dict[OffloadKey, int] = {}
@@ -301,8 +313,11 @@ class _ArenaStore:
         slot = self._slots.get(key)
         if slot is None:
             return False
-        start = slot * self._block_bytes
-        into[:] = self._arena[start : start + self._block_bytes]
+        if self._rows is not None:
+            np.copyto(np.frombuffer(into, dtype=np.uint8), self._rows[slot])
+        else:
+            start = slot * self._block_bytes
+            into[:] = self._arena[start : start + self._block_bytes]
         return True
 
     def put(self, key: OffloadKey, data: memoryview) -> None:
@@ -314,8 +329,11 @@ class _ArenaStore:
                 slot, self._never_used = self._never_used, self._never_used + 1
             else:
                 raise RuntimeError("memory tier arena is full (evict before storing)")
-        start = slot * self._block_bytes
-        self._arena[start : start + self._block_bytes] = data
+        if self._rows is not None:
+            np.copyto(self._rows[slot], np.frombuffer(data, dtype=np.uint8))
+        else:
+            start = slot * self._block_bytes
+            self._arena[start : start + self._block_bytes] = data
         self._slots[key] = slot
 
     def drop(self, key: OffloadKey) -> bool:
@@ -329,6 +347,7 @@ class _ArenaStore:
         self._slots.clear()
         self._free.clear()
         if self._map is not None:
+            self._rows = None  # drop the array's export of the mapping first
             self._arena.release()
             self._map.close()
             self._map = None
