@@ -173,7 +173,7 @@ class TieringOffloadingSpec:
                 shutdown_timeout_s=config.shutdown_timeout_s,
                 failed_promotion_backoff_s=config.failed_promotion_backoff_s,
                 backfill_earlier_tiers=config.backfill_earlier_tiers,
-                event_block_size=self.block_size or 0,
+                event_block_size=self.block_size,
                 name=self._name,
                 metrics_registry=self._metrics_registry,
             )
