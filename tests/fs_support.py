@@ -91,6 +91,25 @@ def slot_location(tier: FileSystemTier, k: OffloadKey) -> tuple[Path, int]:
     return tier.config.root_dir / f"slab-{slab:06d}.bin", geometry.offset_of(entry.slot)
 
 
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def append(path: Path, data: bytes) -> None:
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+def fill_disk(path: Path) -> None:
+    """Write ``path`` until its filesystem is full."""
+    with contextlib.suppress(OSError), open(path, "wb") as f:
+        while True:
+            f.write(bytes(4096))
+            f.flush()
+
+
 def flip_byte(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -149,7 +168,7 @@ class FaultyBackend(IoBackend):
 class FaultyFsTier(FileSystemTier):
     """A FileSystemTier whose I/O goes through a :class:`FaultyBackend` (rule swappable)."""
 
-    rule: FaultRule = staticmethod(lambda op: None)  # type: ignore[assignment]
+    rule: FaultRule = staticmethod(lambda op: None)
     backend: FaultyBackend | None = None
 
     def _make_backend(self, loop: asyncio.AbstractEventLoop) -> IoBackend:

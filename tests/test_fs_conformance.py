@@ -1,4 +1,4 @@
-"""The tier conformance kit against the filesystem tier (both I/O backends, O_DIRECT and buffered)."""
+"""The conformance kit against the filesystem tier (both I/O backends, O_DIRECT and buffered)."""
 
 from __future__ import annotations
 

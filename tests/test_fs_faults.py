@@ -11,23 +11,25 @@ from pathlib import Path
 
 import pytest
 
-from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
-from tiers.fs.io import OpKind
-from tiers.fs.layout import JOURNAL_NAME
-
 from tests.fs_support import (
     BLOCK,
     FaultyFsTier,
+    append,
     block_data,
     disk_bytes,
     fail_data_ops,
+    fill_disk,
     flip_byte,
     key,
     opened,
+    overwrite,
     read_key,
     slot_location,
     write_keys,
 )
+from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
+from tiers.fs.io import OpKind
+from tiers.fs.layout import JOURNAL_NAME
 
 
 async def test_a_flipped_bit_fails_the_read_and_drops_the_block(tmp_path: Path) -> None:
@@ -52,9 +54,8 @@ async def test_a_torn_block_listed_after_restart_is_never_served(tmp_path: Path)
     async with opened(tmp_path, durability="none") as tier:
         await write_keys(tier, [key(1), key(2), key(3)])
         path, offset = slot_location(tier, key(2))
-    with open(path, "r+b") as f:  # the second half of the block never reached the disk
-        f.seek(offset + BLOCK // 2)
-        f.write(bytes(BLOCK // 2))
+    # The second half of the block never reached the disk.
+    overwrite(path, offset + BLOCK // 2, bytes(BLOCK // 2))
     async with opened(tmp_path) as tier:
         assert set(await tier.list_keys()) == {key(1), key(2), key(3)}
         outs = [memoryview(bytearray(BLOCK)) for _ in range(3)]
@@ -129,8 +130,7 @@ async def test_restart_with_a_damaged_journal_tail_keeps_the_valid_prefix(
         os.truncate(journal, size - 5)
     elif damage == "garbage_tail":
         os.truncate(journal, size_before)
-        with open(journal, "ab") as f:
-            f.write(os.urandom(100))
+        append(journal, os.urandom(100))
     else:
         flip_byte(journal, size - 12)
     async with opened(tmp_path) as tier:
@@ -197,13 +197,10 @@ async def test_a_full_disk_fails_writes_until_space_returns(tmp_path: Path) -> N
         async with opened(root, capacity_bytes=16 * BLOCK, durability="none") as tier:
             await write_keys(tier, [key(i) for i in range(4)])
             filler = root / "filler"
-            with contextlib.suppress(OSError), open(filler, "wb") as f:
-                while True:
-                    f.write(bytes(4096))
-                    f.flush()
+            fill_disk(filler)
             # Once the journal's last page is full it cannot grow: writes fail rather than
             # becoming visible unjournaled.
-            failures = []
+            failures: list[BaseException] = []
             for round_ in range(100):
                 try:
                     await write_keys(tier, [key(1000 + round_ * 8 + i) for i in range(8)])

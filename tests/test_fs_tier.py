@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from pathlib import Path
 
 import pytest
-
-from tiering.errors import BlockNotFound, ConfigError, PartialBatchError, TierClosedError
-from tiering.tier import TierContext
-from tiers.fs import FileSystemTier, RootInUseError, TierFullError
-from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 
 from tests.fs_support import (
     BACKENDS,
@@ -27,6 +21,10 @@ from tests.fs_support import (
     slab_files,
     write_keys,
 )
+from tiering.errors import BlockNotFound, ConfigError, PartialBatchError, TierClosedError
+from tiering.tier import TierContext
+from tiers.fs import RootInUseError, TierFullError
+from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -40,7 +38,7 @@ async def test_round_trip_batches_from_aligned_rows(
         src.row(i)[:] = block_data(k)
     async with opened(tmp_path, io_backend=backend, direct_io=direct_io) as tier:
         await tier.write_many(keys, src.rows(40))
-        assert await tier.contains_many(keys + [key(999)]) == [True] * 40 + [False]
+        assert await tier.contains_many([*keys, key(999)]) == [True] * 40 + [False]
         await tier.read_many(list(reversed(keys)), list(reversed(dst.rows(40))))
         assert bytes(dst.view) == bytes(src.view)
         assert tier.stats.direct_io is direct_io
@@ -143,13 +141,28 @@ async def test_a_block_being_read_is_not_evicted_under_the_reader(tmp_path: Path
             await write_keys(tier, [key(2)])
             assert await tier.contains(key(0))
             assert not await tier.contains(key(1))
-            with pytest.raises(PartialBatchError) as info:
-                await write_keys(tier, [key(3), key(4)])  # only one slot can be evicted
-            assert isinstance(info.value.errors[key(4)], TierFullError)
+            # Two slots are needed but only one can be evicted: the batch waits for the reader.
+            waiting = asyncio.create_task(write_keys(tier, [key(3), key(4)]))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()
             assert await tier.contains(key(0))
+            assert await read_key(tier, key(0)) == block_data(key(0))
         finally:
             index.unpin(entry.slot)
-        assert await read_key(tier, key(0)) == block_data(key(0))
+        await read_key(tier, key(2))  # a read's end wakes the waiting batch
+        await waiting
+        assert await tier.contains_many([key(0), key(3), key(4)]) == [False, True, True]
+
+
+async def test_a_batch_larger_than_the_tier_stores_what_fits(tmp_path: Path) -> None:
+    async with opened(tmp_path, capacity_bytes=4 * BLOCK) as tier:
+        keys = [key(i) for i in range(6)]
+        with pytest.raises(PartialBatchError) as info:
+            await write_keys(tier, keys)
+        assert set(info.value.errors) == set(keys[4:])
+        assert all(isinstance(e, TierFullError) for e in info.value.errors.values())
+        assert "larger than" in str(info.value.errors[keys[5]])
+        assert info.value.succeeded == set(keys[:4])
 
 
 async def test_reads_of_missing_keys_in_a_batch(tmp_path: Path) -> None:
@@ -183,7 +196,7 @@ async def test_a_cache_for_another_layout_is_reset_never_read(tmp_path: Path, ch
     async with opened(tmp_path) as tier:
         await write_keys(tier, [key(1)])
     other = {"block_bytes": 2 * BLOCK} if change == "block_bytes" else {"fingerprint": "other"}
-    async with opened(tmp_path, **other) as tier:  # type: ignore[arg-type]
+    async with opened(tmp_path, **other) as tier:
         assert list(await tier.list_keys()) == []
         assert any("reset" in note for note in tier.stats.notes)
     with pytest.raises(ConfigError, match="another layout"):
@@ -287,4 +300,4 @@ async def test_slabs_grow_lazily_with_the_data(tmp_path: Path) -> None:
         assert len(slab_files(tmp_path)) == 1
         await write_keys(tier, [key(i) for i in range(9)])
         assert len(slab_files(tmp_path)) == 2
-    assert all(os.path.getsize(p) == 8 * BLOCK for p in slab_files(tmp_path))
+    assert [p.stat().st_size for p in slab_files(tmp_path)] == [8 * BLOCK, 8 * BLOCK]

@@ -108,11 +108,14 @@ class FsTierConfig:
     """The validated configuration of one filesystem tier (see docs/fs-tier.md).
 
     ``capacity_bytes`` bounds the bytes of block data on disk (slab files);
-    the index journal and header are small and not counted.
+    the index journal and header are small and not counted. With
+    ``capacity_blocks`` set instead, the capacity is that many slots, turned
+    into bytes (and checked against the disk) when the block size is known.
     """
 
     root_dir: Path
     capacity_bytes: int
+    capacity_blocks: int | None = None
     n_read_threads: int = 8
     n_write_threads: int = 4
     io_backend: IoBackendName = "auto"
@@ -132,6 +135,7 @@ class FsTierConfig:
         *,
         root_dir: str | os.PathLike[str],
         capacity_bytes: int | str | None = None,
+        capacity_blocks: int | None = None,
         n_read_threads: int = 8,
         n_write_threads: int = 4,
         io_backend: str = "auto",
@@ -176,10 +180,18 @@ class FsTierConfig:
         mismatch = _choice("on_layout_mismatch", on_layout_mismatch, LAYOUT_MISMATCH_ACTIONS)
         if not isinstance(preallocate, bool):
             raise ConfigError(f"fs tier: preallocate must be true or false, got {preallocate!r}")
-        capacity = _check_capacity(root, capacity_bytes)
+        if capacity_blocks is not None:
+            if capacity_bytes is not None:
+                raise ConfigError("fs tier: give capacity_bytes or capacity_blocks, not both")
+            blocks = _positive_int("capacity_blocks", capacity_blocks)
+            capacity = 0  # known at open, once the block size is
+        else:
+            blocks = None
+            capacity = _check_capacity(root, capacity_bytes)
         return cls(
             root_dir=root,
             capacity_bytes=capacity,
+            capacity_blocks=blocks,
             n_read_threads=n_read,
             n_write_threads=n_write,
             io_backend=backend,  # type: ignore[arg-type]
@@ -224,6 +236,18 @@ def _check_root_dir(root_dir: object, create: bool) -> Path:
     return root
 
 
+def check_capacity_fits(root: Path, capacity: int, what: str) -> None:
+    """Raise ConfigError if the filesystem of ``root`` cannot hold ``capacity`` bytes of slabs."""
+    usage = shutil.disk_usage(root)
+    holdable = usage.free + existing_slab_bytes(root)
+    if capacity > holdable:
+        raise ConfigError(
+            f"fs tier: {what}={capacity / GiB:.2f} GiB but the filesystem "
+            f"of root_dir {str(root)!r} can hold only {holdable / GiB:.2f} GiB "
+            f"({usage.free / GiB:.2f} GiB free + {SLAB_GLOB_PREFIX}* files already there)"
+        )
+
+
 def _check_capacity(root: Path, capacity_bytes: int | str | None) -> int:
     usage = shutil.disk_usage(root)
     # Slab files already here count as room: they are reused, not added to.
@@ -239,10 +263,5 @@ def _check_capacity(root: Path, capacity_bytes: int | str | None) -> int:
     capacity = parse_size("capacity_bytes", capacity_bytes)
     if capacity < 4 * KiB:
         raise ConfigError(f"fs tier: capacity_bytes must be at least 4KiB, got {capacity}")
-    if capacity > holdable:
-        raise ConfigError(
-            f"fs tier: capacity_bytes={capacity} ({capacity / GiB:.2f} GiB) but the filesystem "
-            f"of root_dir {str(root)!r} can hold only {holdable / GiB:.2f} GiB "
-            f"({usage.free / GiB:.2f} GiB free + {SLAB_GLOB_PREFIX}* files already there)"
-        )
+    check_capacity_fits(root, capacity, f"capacity_bytes={capacity}")
     return capacity

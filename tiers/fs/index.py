@@ -117,6 +117,12 @@ class SlotIndex:
     def reserved_count(self) -> int:
         return len(self._reserved)
 
+    def available(self) -> int:
+        """Slots a reservation could get right now: free, never used, or evictable."""
+        pinned_live = sum(1 for slot in self._pins if slot in self._owner)
+        fresh = max(0, self._usable - self._next_fresh)
+        return len(self._free) + fresh + len(self._entries) - pinned_live
+
     def high_water(self) -> int:
         """One past the highest slot ever handed out (slots at or above are untouched)."""
         return self._next_fresh

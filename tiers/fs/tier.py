@@ -34,13 +34,19 @@ from tiering.errors import (
 from tiering.keys import OffloadKey
 from tiering.policies import EvictionPolicy, make_policy
 from tiering.tier import AsyncTier, TierContext
-from tiers.fs.config import DEFAULT_MAX_IO_BYTES, DEFAULT_SLAB_BYTES, FsTierConfig
+from tiers.fs.config import (
+    DEFAULT_MAX_IO_BYTES,
+    DEFAULT_SLAB_BYTES,
+    FsTierConfig,
+    check_capacity_fits,
+)
 from tiers.fs.errors import RootInUseError, TierFullError
 from tiers.fs.index import Entry, SlotIndex
 from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
 from tiers.fs.io.aligned import BouncePool, is_aligned
 from tiers.fs.journal import JournalWriter, open_for_append, recover, write_snapshot
 from tiers.fs.layout import (
+    ALIGNMENT,
     HEADER_NAME,
     JOURNAL_NAME,
     LOCK_NAME,
@@ -48,6 +54,7 @@ from tiers.fs.layout import (
     Header,
     parse_slab_name,
     read_header,
+    round_up,
     write_header,
 )
 from tiers.fs.records import encode_del, encode_put
@@ -132,6 +139,7 @@ class _Open:
     seed: int
     pad: bytes
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    room_waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
 
 class FileSystemTier(AsyncTier):
@@ -148,6 +156,7 @@ class FileSystemTier(AsyncTier):
         *,
         root_dir: str | os.PathLike[str],
         capacity_bytes: int | str | None = None,
+        capacity_blocks: int | None = None,
         n_read_threads: int = 8,
         n_write_threads: int = 4,
         io_backend: str = "auto",
@@ -165,6 +174,7 @@ class FileSystemTier(AsyncTier):
         self.config = FsTierConfig.from_kwargs(
             root_dir=root_dir,
             capacity_bytes=capacity_bytes,
+            capacity_blocks=capacity_blocks,
             n_read_threads=n_read_threads,
             n_write_threads=n_write_threads,
             io_backend=io_backend,
@@ -205,10 +215,16 @@ class FileSystemTier(AsyncTier):
         if context.block_bytes <= 0:
             raise ConfigError(f"fs tier: block_bytes must be positive, got {context.block_bytes}")
         cfg = self.config
-        geometry = Geometry.plan(context.block_bytes, cfg.capacity_bytes, cfg.slab_bytes)
+        capacity_bytes = cfg.capacity_bytes
+        if cfg.capacity_blocks is not None:
+            capacity_bytes = cfg.capacity_blocks * round_up(context.block_bytes, ALIGNMENT)
+            check_capacity_fits(
+                cfg.root_dir, capacity_bytes, f"capacity_blocks={cfg.capacity_blocks} blocks"
+            )
+        geometry = Geometry.plan(context.block_bytes, capacity_bytes, cfg.slab_bytes)
         if geometry.capacity_slots < 1:
             raise ConfigError(
-                f"fs tier: capacity_bytes={cfg.capacity_bytes} cannot hold one block of "
+                f"fs tier: capacity_bytes={capacity_bytes} cannot hold one block of "
                 f"{context.block_bytes} bytes ({geometry.slot_bytes} bytes on disk)"
             )
         job = asyncio.ensure_future(
@@ -355,6 +371,11 @@ class FileSystemTier(AsyncTier):
         for key in keys:
             index.access(key)
 
+    @property
+    def capacity_blocks(self) -> int | None:
+        """How many blocks fit (None before open); the runtime shows it in its stats."""
+        return self.stats.capacity_slots or None
+
     def num_blocks(self) -> int:
         """Number of visible blocks (loop thread)."""
         state = self._open_state
@@ -374,6 +395,7 @@ class FileSystemTier(AsyncTier):
         seq = state.journal.next_seq
         state.index.remove(key, seq)
         state.journal.append(encode_del(key, state.seed), retry=True)
+        self._notify_room(state)
         await state.journal.wait_durable(seq)
 
     # -- reads --------------------------------------------------------------------------
@@ -429,6 +451,7 @@ class FileSystemTier(AsyncTier):
                 if block.bounce is not None:
                     state.bounce.give(block.bounce)
                     block.bounce = None
+            self._notify_room(state)
         stats = self.stats
         block_bytes = state.geometry.block_bytes
         for block in blocks:
@@ -508,6 +531,10 @@ class FileSystemTier(AsyncTier):
         views = [self._block_view(d, writable=False) for d in datas]
         index, journal = state.index, state.journal
         errors: dict[bytes, BaseException] = {}
+        # All or nothing: a batch that fits waits while other writes and reads hold the
+        # slots it needs (holding part of them while waiting could deadlock two batches).
+        while len(keys) <= index.capacity_slots and index.available() < len(keys):
+            await self._room_changed(state)
         reservation = index.reserve(len(keys), journal.durable_seq, journal.next_seq)
         if reservation.evicted:
             journal.append(
@@ -528,6 +555,7 @@ class FileSystemTier(AsyncTier):
         finally:
             if owned:
                 index.release(owned)
+                self._notify_room(state)
             for block in blocks:
                 if block.bounce is not None:
                     state.bounce.give(block.bounce)
@@ -582,9 +610,11 @@ class FileSystemTier(AsyncTier):
                 index.commit(b.key, b.slot, b.checksum, seq)
             stats.blocks_written += len(good)
             stats.bytes_written += len(good) * block_bytes
+            self._notify_room(state)
 
         def give_back() -> None:
             index.release(b.slot for b in good)
+            self._notify_room(state)
 
         journal.append(payload, on_durable=commit, on_failed=give_back)
         owned.difference_update(b.slot for b in good)  # the journal's callbacks own them now
@@ -616,6 +646,19 @@ class FileSystemTier(AsyncTier):
             for block in blocks:
                 if block.slot >= backed:
                     block.error = exc
+
+    async def _room_changed(self, state: _Open) -> None:
+        """Wait until slots may have come free (a commit, release, unpin or delete)."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        state.room_waiters.append(waiter)
+        await waiter
+
+    @staticmethod
+    def _notify_room(state: _Open) -> None:
+        waiters, state.room_waiters = state.room_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- planning -----------------------------------------------------------------------
 

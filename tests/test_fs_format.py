@@ -1,0 +1,155 @@
+"""The on-disk format: journal records, replay with torn tails, header, geometry (pure code)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tiers.fs.layout import ALIGNMENT, Geometry, Header, parse_slab_name, slab_name
+from tiers.fs.records import (
+    HEADER_BYTES,
+    decode_header,
+    encode_del,
+    encode_header,
+    encode_put,
+    iter_records,
+    replay,
+)
+
+SEED = 0x1234_5678_9ABC_DEF0
+keys = st.binary(min_size=1, max_size=40)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("put"), keys, st.integers(0, 15), st.integers(0, 2**128 - 1)),
+        st.tuples(st.just("del"), keys, st.just(0), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+def encode(sequence: list[tuple[str, bytes, int, int]]) -> list[bytes]:
+    return [
+        encode_put(k, slot, digest, SEED) if op == "put" else encode_del(k, SEED)
+        for op, k, slot, digest in sequence
+    ]
+
+
+def model(sequence: list[tuple[str, bytes, int, int]]) -> dict[bytes, tuple[int, int]]:
+    """What the index must be: later records win, a reused slot drops its previous key."""
+    state: dict[bytes, tuple[int, int]] = {}
+    for op, k, slot, digest in sequence:
+        state.pop(k, None)
+        if op == "put":
+            for other in [o for o, (s, _) in state.items() if s == slot]:
+                del state[other]
+            state[k] = (slot, digest)
+    return state
+
+
+@given(ops)
+def test_replay_applies_records_in_order(sequence: list[tuple[str, bytes, int, int]]) -> None:
+    result = replay(b"".join(encode(sequence)), SEED)
+    assert result.entries == model(sequence)
+    assert result.records == len(sequence)
+
+
+@given(ops, st.data())
+def test_a_torn_tail_replays_exactly_the_complete_records(
+    sequence: list[tuple[str, bytes, int, int]], data: st.DataObject
+) -> None:
+    records = encode(sequence)
+    blob = b"".join(records)
+    cut = data.draw(st.integers(0, len(blob)))
+    result = replay(blob[:cut], SEED)
+    complete, end = 0, 0
+    for record in records:
+        if end + len(record) > cut:
+            break
+        end += len(record)
+        complete += 1
+    assert result.records == complete
+    assert result.valid_bytes == end
+    assert result.entries == model(sequence[:complete])
+
+
+@given(ops, st.data())
+def test_a_damaged_record_ends_the_replay_there(
+    sequence: list[tuple[str, bytes, int, int]], data: st.DataObject
+) -> None:
+    records = encode(sequence)
+    if not records:
+        return
+    victim = data.draw(st.integers(0, len(records) - 1))
+    start = sum(len(r) for r in records[:victim])
+    position = start + data.draw(st.integers(0, len(records[victim]) - 1))
+    blob = bytearray(b"".join(records))
+    blob[position] ^= 1 << data.draw(st.integers(0, 7))
+    result = replay(bytes(blob), SEED)
+    assert result.records == victim
+    assert result.entries == model(sequence[:victim])
+
+
+def test_records_of_another_cache_never_validate() -> None:
+    blob = encode_put(b"key", 3, 99, SEED) + encode_del(b"key", SEED)
+    assert list(iter_records(blob, SEED + 1)) == []
+    assert len(list(iter_records(blob, SEED))) == 2
+
+
+def test_journal_header_checks_magic_checksum_and_cache() -> None:
+    cache_id = os.urandom(16)
+    header = encode_header(cache_id)
+    assert len(header) == HEADER_BYTES
+    assert decode_header(header, cache_id) is None
+    assert decode_header(header, os.urandom(16)) == "journal belongs to another cache"
+    damaged = bytearray(header)
+    damaged[3] ^= 1
+    assert decode_header(bytes(damaged), cache_id) == "journal header checksum mismatch"
+    assert "short" in (decode_header(header[:10], cache_id) or "")
+
+
+def test_oversized_keys_are_refused() -> None:
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_put(bytes(5000), 0, 0, SEED)
+
+
+def test_header_round_trip_and_mismatch_reasons() -> None:
+    geometry = Geometry.plan(block_bytes=65536, capacity_bytes=1 << 30, slab_bytes=1 << 28)
+    header = Header.new(geometry, "llama/bf16")
+    again = Header.from_json(header.to_json())
+    assert again == header
+    assert header.mismatch(65536, "llama/bf16") is None
+    assert "block_bytes" in (header.mismatch(32768, "llama/bf16") or "")
+    assert "fingerprint" in (header.mismatch(65536, "mistral/bf16") or "")
+    with pytest.raises(ValueError):
+        Header.from_json('{"format": "kv-tiering-fs"}')
+    with pytest.raises(ValueError):
+        Header.from_json("[1, 2]")
+
+
+@given(
+    block_bytes=st.integers(1, 3 << 20),
+    capacity_bytes=st.integers(1, 1 << 34),
+    slab_bytes=st.integers(1 << 22, 1 << 31),
+)
+def test_geometry_places_slots_inside_their_slab(
+    block_bytes: int, capacity_bytes: int, slab_bytes: int
+) -> None:
+    g = Geometry.plan(block_bytes, capacity_bytes, slab_bytes)
+    assert g.slot_bytes % ALIGNMENT == 0 and g.slot_bytes >= block_bytes
+    assert g.capacity_slots * g.slot_bytes <= capacity_bytes
+    total = sum(g.slab_size(i) for i in range(g.num_slabs))
+    assert total == g.capacity_slots * g.slot_bytes
+    for slot in {0, g.capacity_slots - 1, g.capacity_slots // 2}:
+        if 0 <= slot < g.capacity_slots:
+            assert g.offset_of(slot) + g.slot_bytes <= g.slab_size(g.slab_of(slot))
+            assert g.offset_of(slot) % ALIGNMENT == 0
+
+
+def test_slab_names_never_come_from_keys() -> None:
+    assert slab_name(7) == "slab-000007.bin"
+    assert parse_slab_name("slab-000007.bin") == 7
+    for bad in ("slab-7.bin", "slab-../000.bin", "header.json", "slab-00000a.bin"):
+        assert parse_slab_name(bad) is None
