@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -19,8 +21,8 @@ from tests.runtime_support import (
     wait_until,
 )
 from tiering.errors import ConfigError, ContractError, TierClosedError
-from tiering.keys import NO_CONTEXT
-from tiering.runtime import AsyncTierManager, TierStats
+from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.runtime import AsyncTierManager, Presence, TierStats
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiers.memory import MemoryTier
 
@@ -79,6 +81,34 @@ def test_lookup_answers_absent_present_and_in_flight(buf: np.ndarray) -> None:
         assert manager.lookup(key(1), NO_CONTEXT) is None  # in flight from submit on
         results(manager)
         assert manager.lookup(key(1), NO_CONTEXT) is True
+
+
+class _WriteFailsContainsSlow(SlowTier):
+    """Every write fails; contains() takes 0.3 s (so the check of a failed write is visible)."""
+
+    async def write(self, key: OffloadKey, data: memoryview) -> None:
+        raise OSError("disk on fire")
+
+    async def contains(self, key: OffloadKey) -> bool:
+        await asyncio.sleep(0.3)
+        return await super().contains(key)
+
+
+def test_lookup_state_tells_storing_from_checking(buf: np.ndarray) -> None:
+    with AsyncTierManager(SlowTier(delay_s=0.2), buf.data, "slow") as manager:
+        assert manager.lookup_state(key(1)) is Presence.ABSENT
+        fill(buf, 0)
+        manager.submit_store(store(1, [key(1)], [0]))
+        assert manager.lookup_state(key(1)) is Presence.STORING
+        results(manager)
+        assert manager.lookup_state(key(1)) is Presence.PRESENT
+    with AsyncTierManager(_WriteFailsContainsSlow(), buf.data, "failing") as manager:
+        manager.submit_store(store(2, [key(2)], [0]))
+        assert not one_result(manager).success
+        # The failed write is being checked with contains(): CHECKING, then ABSENT.
+        assert manager.lookup_state(key(2)) is Presence.CHECKING
+        assert manager.lookup(key(2), NO_CONTEXT) is None
+        wait_until(lambda: manager.lookup_state(key(2)) is Presence.ABSENT)
 
 
 def test_get_finished_is_empty_without_jobs_and_returns_each_result_once(

@@ -7,8 +7,8 @@
 See ``docs/runtime.md`` for threads, hand-offs, deadlines, cancellation and shutdown.
 """
 
-from tiering.runtime.facade import AsyncTierManager
+from tiering.runtime.facade import AsyncTierManager, Presence
 from tiering.runtime.loop_thread import LoopThread, WrongThreadError
 from tiering.runtime.stats import TierStats
 
-__all__ = ["AsyncTierManager", "LoopThread", "TierStats", "WrongThreadError"]
+__all__ = ["AsyncTierManager", "LoopThread", "Presence", "TierStats", "WrongThreadError"]

@@ -16,6 +16,7 @@ contract: every method runs on the scheduler thread). See ``docs/runtime.md``.
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -37,6 +38,15 @@ from tiering.tier import AsyncTier, TierContext
 logger = logging.getLogger("tiering.runtime")
 
 _NOTHING: tuple[JobResult, ...] = ()
+
+
+class Presence(enum.Enum):
+    """What :meth:`AsyncTierManager.lookup_state` knows about a key."""
+
+    ABSENT = "absent"
+    PRESENT = "present"
+    STORING = "storing"
+    CHECKING = "checking"
 
 
 class _Outstanding(NamedTuple):
@@ -164,6 +174,25 @@ class AsyncTierManager(SecondaryTierManager):
         if not self._shared:
             return False
         return self._lookup_shared(key)
+
+    def lookup_state(self, key: OffloadKey) -> Presence:
+        """Like :meth:`lookup`, telling apart the two reasons for None.
+
+        ``STORING``: a store of the key is in flight (a hit once it succeeds;
+        vLLM 0.33's ``HIT_PENDING``). ``CHECKING``: whether the tier holds it is
+        being found out (ask again; ``RETRY``).
+        """
+        if self._closed:
+            raise TierClosedError(f"tier {self.name} is shut down")
+        if key in self._present:
+            return Presence.PRESENT
+        if key in self._storing:
+            return Presence.STORING
+        if key in self._unsettled:
+            return Presence.CHECKING
+        if not self._shared:
+            return Presence.ABSENT
+        return Presence.ABSENT if self._lookup_shared(key) is False else Presence.CHECKING
 
     def _lookup_shared(self, key: OffloadKey) -> bool | None:
         now = time.monotonic()
