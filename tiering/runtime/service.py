@@ -197,7 +197,8 @@ class TierService:
             return
         self._jobs[job.meta.job_id] = job
         job.task = loop.create_task(self._run_job(job))
-        job.timer = loop.call_at(job.deadline, self._expire, job)
+        # Relative to now: the deadline is on time.monotonic(), whatever clock the loop uses.
+        job.timer = loop.call_later(max(0.0, job.deadline - time.monotonic()), self._expire, job)
 
     def request_resolve(self, key: OffloadKey) -> None:
         """Find out whether ``key`` is in the (shared) tier; the lookup view gets the answer."""
