@@ -275,14 +275,16 @@ def keys_for(job: int, per_job: int) -> tuple[OffloadKey, ...]:
 
 
 def bench_facade(jobs: int, per_job: int, block_bytes: int) -> tuple[list[Row], list[Row]]:
-    rows_count = 256
+    # Memory stays bounded whatever the block size: <= 256 MiB of primary rows,
+    # <= 512 MiB of tier.
+    rows_count = max(2 * per_job + 64, min(256, (256 << 20) // block_bytes))
     buf = np.random.default_rng(0).integers(0, 256, (rows_count, block_bytes), dtype=np.uint8)
     store_metas = [
         JobMetadata(j, keys_for(j, per_job), np.arange(j, j + per_job) % rows_count, False)
         for j in range(jobs)
     ]
     # Loads read the most recent stores (still held: 256 jobs fit the tier's capacity).
-    recent = 256
+    recent = max(16, min(256, (256 << 20) // (per_job * block_bytes)))
     load_metas = [
         JobMetadata(
             jobs + j,
@@ -427,7 +429,8 @@ def python_work(rounds: int = 2000) -> int:
 def bench_gil(seconds: float, per_job: int, block_bytes: int) -> list[Row]:
     """Scheduler batches of pure-Python work, alone and while the memory tier works.
 
-    *work slowdown* compares the mean time of the pure-Python batch itself;
+    Slowdowns are medians over rounds of the ratio to the alone runs of the
+    same round. *work slowdown* compares the mean time of the pure-Python batch itself;
     *wall slowdown* the mean wall time per loop iteration, which also
     includes building and submitting jobs and collecting results (and any
     wait for the GIL those calls incur). The tier's jobs/s alone is the same
@@ -448,7 +451,8 @@ def bench_gil(seconds: float, per_job: int, block_bytes: int) -> list[Row]:
                 between()
         return times, (time.perf_counter() - started) / len(times)
 
-    buf = np.zeros((512, block_bytes), dtype=np.uint8)
+    buf = np.zeros((2 * per_job, block_bytes), dtype=np.uint8)
+    capacity = max(64 * per_job, (512 << 20) // block_bytes)
     counter = [0]
 
     def next_job(load: bool) -> JobMetadata:
@@ -456,12 +460,12 @@ def bench_gil(seconds: float, per_job: int, block_bytes: int) -> list[Row]:
         j = counter[0]
         if load:
             keys = keys_for(max(1, j - 3), per_job)  # the store two steps back
-            return JobMetadata(j, keys, np.arange(per_job) + 256, True)
+            return JobMetadata(j, keys, np.arange(per_job) + per_job, True)
         return JobMetadata(j, keys_for(j, per_job), np.arange(per_job), False)
 
     def saturated(work: bool) -> tuple[list[float], float, float]:
         """The scheduler itself keeps 64 store jobs in flight (refilled after every batch)."""
-        with AsyncTierManager(MemoryTier(capacity_blocks=4096), buf.data, "memory") as manager:
+        with AsyncTierManager(MemoryTier(capacity_blocks=capacity), buf.data, "memory") as manager:
             in_flight, done = [0], [0]
 
             def refill() -> None:
@@ -474,10 +478,10 @@ def bench_gil(seconds: float, per_job: int, block_bytes: int) -> list[Row]:
 
             t0 = time.perf_counter()
             if work:
-                times, wall = batches(seconds, refill)
+                times, wall = batches(seconds / 3, refill)
             else:
                 times, wall = [], 0.0
-                end = t0 + seconds
+                end = t0 + seconds / 3
                 while time.perf_counter() < end:
                     refill()
                     time.sleep(0.0005)
@@ -486,7 +490,7 @@ def bench_gil(seconds: float, per_job: int, block_bytes: int) -> list[Row]:
             return times, wall, done[0] / (time.perf_counter() - t0)
 
     def engine() -> tuple[list[float], float, float]:
-        with AsyncTierManager(MemoryTier(capacity_blocks=4096), buf.data, "memory") as manager:
+        with AsyncTierManager(MemoryTier(capacity_blocks=capacity), buf.data, "memory") as manager:
             done = [0]
 
             def step() -> None:
@@ -495,44 +499,58 @@ def bench_gil(seconds: float, per_job: int, block_bytes: int) -> list[Row]:
                 done[0] += len(list(manager.get_finished()))
 
             t0 = time.perf_counter()
-            times, wall = batches(seconds, step)
+            times, wall = batches(seconds / 3, step)
             manager.drain(60)
             done[0] += len(list(manager.get_finished()))
             return times, wall, done[0] / (time.perf_counter() - t0)
 
-    alone_a, wall_a = batches(seconds)
-    engine_times, engine_wall, engine_rate = engine()
-    feeder_times, feeder_wall, feeder_rate = saturated(work=True)
-    _, _, tier_alone_rate = saturated(work=False)
-    alone_b, wall_b = batches(seconds)
-    alone = alone_a + alone_b
-    base, base_wall = statistics.fmean(alone), (wall_a + wall_b) / 2
+    # Rounds of (alone, engine, saturated, alone): each scenario is compared
+    # with the alone runs around it, so slow drifts of a shared machine cancel.
+    rounds = 3  # each scenario runs seconds / 3 per round
+    work_ratio: dict[str, list[float]] = {"engine": [], "saturated": []}
+    wall_ratio: dict[str, list[float]] = {"engine": [], "saturated": []}
+    samples: dict[str, list[float]] = {"alone": [], "engine": [], "saturated": []}
+    rates: dict[str, list[float]] = {"engine": [], "saturated": [], "tier alone": []}
+    for _ in range(rounds):
+        before, wall_before = batches(seconds / rounds)
+        runs = {"engine": engine(), "saturated": saturated(work=True)}
+        after, wall_after = batches(seconds / rounds)
+        base = statistics.fmean(before + after)
+        base_wall = (wall_before + wall_after) / 2
+        samples["alone"] += before + after
+        for name, (times, wall, rate) in runs.items():
+            samples[name] += times
+            work_ratio[name].append(statistics.fmean(times) / base)
+            wall_ratio[name].append(wall / base_wall)
+            rates[name].append(rate)
+        rates["tier alone"].append(saturated(work=False)[2])
 
-    def row(name: str, times: list[float], wall: float, rate: str) -> Row:
-        med = statistics.fmean(times)
+    def row(name: str, key: str, rate: str) -> Row:
+        times = samples[key]
+        work = statistics.median(work_ratio[key]) if key in work_ratio else 1.0
+        wall = statistics.median(wall_ratio[key]) if key in wall_ratio else 1.0
         return (
             name,
             f"{statistics.median(times) * 1e6:.0f}",
             f"{pct([int(t * 1e9) for t in times], 99):.0f}",
-            f"{med / base:.2f}x",
-            f"{wall / base_wall:.2f}x",
+            f"{work:.2f}x",
+            f"{wall:.2f}x",
             rate,
-            verdict(max(med / base, wall / base_wall), 1.25),
+            verdict(max(work, wall), 1.25),
         )
 
+    median_rate = {k: statistics.median(v) for k, v in rates.items()}
     return [
-        row("scheduler loop alone (before + after)", alone, base_wall, "-"),
+        row("scheduler loop alone", "alone", "-"),
         row(
             "engine step: +1 store +1 load job per batch",
-            engine_times,
-            engine_wall,
-            f"{engine_rate:,.0f}",
+            "engine",
+            f"{median_rate['engine']:,.0f}",
         ),
         row(
             "tier flat out: 64 jobs kept in flight",
-            feeder_times,
-            feeder_wall,
-            f"{feeder_rate:,.0f} (alone: {tier_alone_rate:,.0f})",
+            "saturated",
+            f"{median_rate['saturated']:,.0f} (alone: {median_rate['tier alone']:,.0f})",
         ),
     ]
 
