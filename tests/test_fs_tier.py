@@ -301,3 +301,20 @@ async def test_slabs_grow_lazily_with_the_data(tmp_path: Path) -> None:
         await write_keys(tier, [key(i) for i in range(9)])
         assert len(slab_files(tmp_path)) == 2
     assert [p.stat().st_size for p in slab_files(tmp_path)] == [8 * BLOCK, 8 * BLOCK]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direct_io", [True, False])
+async def test_no_buffer_outlives_the_call(tmp_path: Path, backend: str, direct_io: bool) -> None:
+    """The caller can release its views afterwards: nothing (an io_uring iovec...) kept them."""
+    src, dst = Rows(8), Rows(8)
+    keys = [key(i) for i in range(8)]
+    async with opened(tmp_path, io_backend=backend, direct_io=direct_io) as tier:
+        writes, reads = src.rows(8), dst.rows(8)
+        readonly = [v.toreadonly() for v in writes[:4]]
+        await tier.write_many(keys, readonly + writes[4:])
+        await tier.read_many(keys, reads)
+        for view in readonly + writes + reads:
+            view.release()  # BufferError if an export of the view were still held
+    src.view.release()
+    dst.view.release()

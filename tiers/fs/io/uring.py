@@ -12,12 +12,14 @@ occupy at most three quarters of them, so a load always finds room.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
+from tiers.fs.io.aligned import address_of
 from tiers.fs.io.backend import EventFd, IoBackend, wait_uncancelled
 from tiers.fs.io.ops import Dispatcher, IoOp, OpKind, Priority
 
@@ -28,11 +30,56 @@ try:
 except ImportError:  # optional dependency: the thread backend is used instead
     _uring = None
 
+# The binding's ``Iovec(list)`` takes a buffer export of every memoryview it is given and
+# never releases it (nor the reference): each op would leak a view and pin the primary
+# buffer forever. So iovecs are built from placeholder bytearrays (handled without the
+# buffer protocol) and their C array is then filled with the real addresses. The layout
+# (PyObject header, then ``usize len``, then ``struct iovec *``) is checked once at import.
+_PLACEHOLDER = bytearray()
+_IOVEC_ARRAY_OFFSET = 3  # in 8-byte words from the object's start: refcnt, type, len, array
+
+
+def _iovec_array(iov: object, count: int) -> Any:
+    words = (ctypes.c_uint64 * 4).from_address(id(iov))
+    if words[2] != count:
+        raise RuntimeError("unexpected liburing Iovec layout")
+    return (ctypes.c_uint64 * (2 * count)).from_address(words[_IOVEC_ARRAY_OFFSET])
+
+
+def make_iovec(buffers: Sequence[memoryview]) -> object:
+    """A liburing ``Iovec`` over ``buffers`` that holds no export of them (keep them alive)."""
+    assert _uring is not None
+    count = len(buffers)
+    iov = _uring.Iovec([_PLACEHOLDER] * count)
+    fields: list[int] = []
+    for buf in buffers:
+        fields.append(address_of(buf))
+        fields.append(buf.nbytes)
+    _iovec_array(iov, count)[:] = fields
+    return iov
+
+
+def _iovec_layout_problem() -> str | None:
+    """Why :func:`make_iovec` would be unsafe with this liburing build (None: it is safe)."""
+    probe = bytearray(b"probe")
+    try:
+        iov = _uring.Iovec([probe])
+        fields = _iovec_array(iov, 1)
+        expected = [ctypes.addressof((ctypes.c_char * 5).from_buffer(probe)), 5]
+    except Exception as exc:
+        return f"unrecognised liburing Iovec layout ({exc})"
+    if list(fields) != expected:
+        return "unrecognised liburing Iovec layout"
+    return None
+
 
 def uring_unavailable_reason() -> str | None:
     """Why io_uring cannot be used here (None when it can): missing package, kernel, seccomp."""
     if _uring is None:
         return "the 'liburing' package is not installed (pip install liburing)"
+    layout = _iovec_layout_problem()
+    if layout is not None:
+        return layout
     ring = _uring.Ring()
     try:
         _uring.io_uring_queue_init(4, ring, 0)
@@ -108,7 +155,7 @@ class UringBackend(IoBackend):
         if op.kind is OpKind.FSYNC:
             lib.io_uring_prep_fsync(sqe, op.fd, lib.IORING_FSYNC_DATASYNC)
         else:
-            iov = lib.Iovec(op.remaining())
+            iov = make_iovec(op.remaining())
             prep = lib.io_uring_prep_readv if op.kind is OpKind.READ else lib.io_uring_prep_writev
             prep(sqe, op.fd, iov, op.offset + op.done)
         user_data = self._next_id
