@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -83,14 +84,18 @@ def test_lookup_answers_absent_present_and_in_flight(buf: np.ndarray) -> None:
         assert manager.lookup(key(1), NO_CONTEXT) is True
 
 
-class _WriteFailsContainsSlow(SlowTier):
-    """Every write fails; contains() takes 0.3 s (so the check of a failed write is visible)."""
+class _WriteFailsContainsGated(SlowTier):
+    """Every write fails; contains() waits for ``gate`` (so the check of a failed write shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
 
     async def write(self, key: OffloadKey, data: memoryview) -> None:
         raise OSError("disk on fire")
 
     async def contains(self, key: OffloadKey) -> bool:
-        await asyncio.sleep(0.3)
+        await asyncio.to_thread(self.gate.wait, 30)
         return await super().contains(key)
 
 
@@ -102,12 +107,14 @@ def test_lookup_state_tells_storing_from_checking(buf: np.ndarray) -> None:
         assert manager.lookup_state(key(1)) is Presence.STORING
         results(manager)
         assert manager.lookup_state(key(1)) is Presence.PRESENT
-    with AsyncTierManager(_WriteFailsContainsSlow(), buf.data, "failing") as manager:
+    tier = _WriteFailsContainsGated()
+    with AsyncTierManager(tier, buf.data, "failing") as manager:
         manager.submit_store(store(2, [key(2)], [0]))
         assert not one_result(manager).success
         # The failed write is being checked with contains(): CHECKING, then ABSENT.
         assert manager.lookup_state(key(2)) is Presence.CHECKING
         assert manager.lookup(key(2), NO_CONTEXT) is None
+        tier.gate.set()
         wait_until(lambda: manager.lookup_state(key(2)) is Presence.ABSENT)
 
 

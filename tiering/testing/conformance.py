@@ -373,6 +373,24 @@ async def _persistence(kit: _Kit) -> None:
 
 @_check
 async def _loop_not_blocked(kit: _Kit, tier: AsyncTier) -> None:
+    # A tier that blocks the loop stalls it on every attempt; a busy machine
+    # rarely does three times in a row. Pass as soon as one attempt is clean.
+    limit = kit.options.max_loop_lag_s
+    stalls = []
+    for _ in range(3):
+        stall = await _worst_loop_stall(kit, tier)
+        if stall <= limit:
+            return
+        stalls.append(stall)
+    raise AssertionError(
+        f"the event loop stalled for {', '.join(f'{s * 1e3:.0f}' for s in stalls)} ms in "
+        f"3 attempts (limit {limit * 1e3:.0f} ms): the tier blocks the loop "
+        "(use async I/O or tiering.tier.run_in_thread)"
+    )
+
+
+async def _worst_loop_stall(kit: _Kit, tier: AsyncTier) -> float:
+    """Longest stall of a 1 ms ticker while ``tier`` serves a burst of operations."""
     worst = 0.0
     stop = asyncio.Event()
 
@@ -405,11 +423,7 @@ async def _loop_not_blocked(kit: _Kit, tier: AsyncTier) -> None:
     finally:
         stop.set()
         await ticking
-    limit = kit.options.max_loop_lag_s
-    assert worst <= limit, (
-        f"the event loop stalled for {worst * 1e3:.0f} ms (limit {limit * 1e3:.0f} ms): "
-        "the tier blocks the loop (use async I/O or asyncio.to_thread)"
-    )
+    return worst
 
 
 async def _deadline_through_facade(kit: _Kit) -> None:
