@@ -196,6 +196,42 @@ def test_corrupt_read_is_a_miss_and_forgets_the_block(buf: np.ndarray) -> None:
         assert list(manager.take_events()) == [([key(1)], True)]
 
 
+@pytest.mark.parametrize("fault", ["corrupt_rate", "short_read_rate"])
+def test_silently_damaged_reads_are_caught_by_the_checksum(buf: np.ndarray, fault: str) -> None:
+    tier = FaultyTier(MemoryTier())
+    with AsyncTierManager(tier, buf.data, "faulty") as manager:
+        fill(buf, 0)
+        fill(buf, 1)
+        manager.submit_store(store(1, [key(1), key(2)], [0, 1]))
+        assert one_result(manager).success
+        manager.take_events()
+        tier.plan = FaultPlan(**{fault: 1.0}, keys={key(2)}, detect=False)
+        manager.submit_load(load(2, [key(1), key(2)], [5, 6]))
+        failed = one_result(manager)
+        assert not failed.success and "checksum mismatch" in (failed.error or "")
+        assert failed.successful_keys == frozenset({key(1)})
+        assert manager.lookup(key(2), NO_CONTEXT) is False  # a miss, never a wrong hit
+        assert manager.stats().corrupt_reads == 1
+        assert list(manager.take_events()) == [([key(2)], True)]
+
+
+def test_verification_can_be_left_to_a_tier_that_checks_its_own_reads(buf: np.ndarray) -> None:
+    class SelfChecking(MemoryTier):
+        verifies_reads = True
+
+    for tier, verify in ((SelfChecking(), None), (MemoryTier(), False)):
+        faulty = FaultyTier(tier)
+        faulty.verifies_reads = tier.verifies_reads
+        with AsyncTierManager(faulty, buf.data, "trusting", verify=verify) as manager:
+            fill(buf, 0)
+            manager.submit_store(store(1, [key(1)], [0]))
+            assert one_result(manager).success
+            faulty.plan = FaultPlan(corrupt_rate=1.0, detect=False)
+            manager.submit_load(load(2, [key(1)], [5]))
+            assert one_result(manager).success  # not verified: the damage goes through
+            assert bytes(buf[5]) != bytes(buf[0])
+
+
 def test_load_of_a_key_whose_store_is_in_flight_waits_for_the_store(buf: np.ndarray) -> None:
     tier = SlowTier(delay_s=0.05)
     with AsyncTierManager(tier, buf.data, "slow") as manager:

@@ -22,6 +22,8 @@ The other keys of the dict are split in two. The *framework's* keys
 ``cancel_grace_s``       how long a cancelled operation may linger (default 1)
 ``shared_absent_ttl_s``  shared tiers: how long an "absent" answer is trusted (default 5)
 ``max_events``           events kept for ``take_events`` (default 100000)
+``verify``               checksum stored blocks and verify loads (default: unless
+                         the tier declares ``verifies_reads``)
 ``module_path``          see 5. above
 
 Every other key is passed to the tier class's constructor as a keyword.
@@ -65,6 +67,7 @@ FRAMEWORK_KEYS = (
     "cancel_grace_s",
     "shared_absent_ttl_s",
     "max_events",
+    "verify",
 )
 _MANAGER_OPTIONS = FRAMEWORK_KEYS[3:]
 

@@ -60,7 +60,10 @@ raises ``BlockNotFound`` becomes a miss. Jobs reach the tier as ``read_many``
 batch for real (one round trip, one submission). A key whose ``write`` raised
 or was cancelled is checked with ``contains`` before lookups see it again.
 ``touch`` is metadata only: it may run while a data operation on the same key
-is in flight. An ``int`` attribute ``capacity_blocks`` (most blocks held) is
+is in flight. Unless the tier sets ``verifies_reads = True``, the runtime
+keeps an xxh3 checksum of every block it stored and fails a load whose bytes
+do not match (a ``CorruptBlock`` miss). An ``int`` attribute
+``capacity_blocks`` (most blocks held) is
 reported in the runtime's statistics when present. Check a tier with
 :func:`tiering.testing.conformance.check_tier`.
 """
@@ -107,6 +110,10 @@ class AsyncTier:
     #: back (shared storage): lookups of unknown keys are then resolved with
     #: ``contains_many`` instead of being answered False from local knowledge.
     shared: bool = False
+    #: True when ``read`` itself detects damaged or truncated blocks (e.g. a
+    #: checksum kept in the medium) and raises ``CorruptBlock``. Otherwise the
+    #: runtime checksums every block it stores and verifies it when loaded.
+    verifies_reads: bool = False
 
     _context: TierContext | None = None
     _removed_sink: Callable[[Sequence[OffloadKey]], None] | None = None

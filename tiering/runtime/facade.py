@@ -70,7 +70,10 @@ class AsyncTierManager(SecondaryTierManager):
     cancellation before the job is reported failed anyway;
     ``shared_absent_ttl_s`` is how long a shared tier's "absent" answer is
     trusted; ``max_events`` bounds events waiting for :meth:`take_events`
-    (more are counted in ``stats().events_dropped``).
+    (more are counted in ``stats().events_dropped``). ``verify`` (default:
+    unless the tier sets ``verifies_reads``) keeps an xxh3 checksum of every
+    block stored and fails a load whose bytes differ: a silently corrupted
+    read is a miss, never a wrong hit.
 
     Use it as a context manager, or call :meth:`shutdown`.
     """
@@ -90,6 +93,7 @@ class AsyncTierManager(SecondaryTierManager):
         cancel_grace_s: float = 1.0,
         shared_absent_ttl_s: float = 5.0,
         max_events: int = 100_000,
+        verify: bool | None = None,
     ) -> None:
         super().__init__(primary_kv_view, tier_type)
         if not isinstance(tier, AsyncTier):
@@ -129,6 +133,7 @@ class AsyncTierManager(SecondaryTierManager):
             cancel_grace_s=float(cancel_grace_s),
             shared_absent_ttl_s=float(shared_absent_ttl_s),
             max_events=max_events,
+            verify=not tier.verifies_reads if verify is None else bool(verify),
         )
         self._mailbox = Mailbox(self._thread.loop)
         context = TierContext(self.block_bytes, layout_fingerprint, self.name)

@@ -39,6 +39,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
 from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
 from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import OffloadKey
@@ -92,8 +94,10 @@ class TierService:
         cancel_grace_s: float,
         shared_absent_ttl_s: float,
         max_events: int,
+        verify: bool,
     ) -> None:
         self.tier = tier
+        self.verify = verify
         self.name = name
         self.shared = bool(tier.shared)
         self.block_bytes = block_bytes
@@ -116,6 +120,8 @@ class TierService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id = 0
         self._claims: dict[OffloadKey, asyncio.Future[None]] = {}
+        # Checksums of the blocks this runtime stored (verify mode), by key.
+        self._digests: dict[OffloadKey, int] = {}
         # Keys the tier reported removed while an operation held them.
         self._removed_during_op: set[OffloadKey] = set()
         self._jobs: dict[int, _Job] = {}
@@ -471,6 +477,7 @@ class TierService:
             if key in self.present:
                 gone.append(key)
                 self.present.discard(key)
+            self._digests.pop(key, None)
             self.unsettled.discard(key)
             if self.shared:
                 self.absent_at[key] = now
@@ -496,7 +503,10 @@ class TierService:
     ) -> None:
         """One ``read_many``/``write_many`` call; records outcomes in ``batch``, never raises.
 
-        Cancellation: propagates after recording the interrupted keys.
+        With verification on, a store records each block's checksum (taken
+        from the primary row, which the job pins) and a load compares the
+        bytes it read against it. Cancellation: propagates after recording
+        the interrupted keys.
         """
         all_keys, all_rows = job.meta.keys, job.rows
         if len(indices) == len(all_keys):  # the common case: the whole job in one call
@@ -506,34 +516,76 @@ class TierService:
         await self._limiter.acquire(len(keys))
         flat, size = self._flat, self.block_bytes
         rows = [flat[r * size : r * size + size] for r in row_ids]
+        if self.verify and not load:
+            # Whatever the write's outcome, a block under these keys can only hold
+            # these bytes (a failed or cancelled write leaves it absent or complete).
+            digests = self._digests
+            for key, row in zip(keys, rows, strict=True):
+                digests[key] = _checksum(row)
         if not load:
             batch.in_flight.update(keys)
+        ok: list[OffloadKey] | None = None
         try:
             if load:
                 await self.tier.read_many(keys, rows)
             else:
                 await self.tier.write_many(keys, rows)
         except PartialBatchError as exc:
+            ok = []
             for key in keys:
                 if key in exc.errors:
                     batch.errors[key] = exc.errors[key]
                 elif key in exc.succeeded:
-                    batch.ok.append(key)
+                    ok.append(key)
                 else:
                     batch.errors[key] = RuntimeError("the tier reported no outcome for this key")
         except asyncio.CancelledError:
+            self._limiter.release(len(keys))
+            _release_views(rows)
             raise
         except Exception as exc:
+            ok = []
             for key in keys:
                 batch.errors[key] = exc
         else:
-            batch.ok.extend(keys)
+            ok = keys
+        try:
+            if self.verify and ok and load:
+                ok = self._verified(keys, rows, ok, batch)
         finally:
             self._limiter.release(len(keys))
             _release_views(rows)
+        batch.ok.extend(ok)
         if not load:
             batch.in_flight.difference_update(keys)
         job.done_keys += len(keys)
+
+    def _verified(
+        self,
+        keys: list[OffloadKey],
+        rows: list[memoryview],
+        ok: list[OffloadKey],
+        batch: _Batch,
+    ) -> list[OffloadKey]:
+        """The keys of ``ok`` whose bytes match their stored checksum; the rest become errors.
+
+        Keys with no checksum (found by ``list_keys`` or stored by another
+        process) are trusted to the tier's own checks.
+        """
+        digests = self._digests
+        read_ok = set(ok) if len(ok) != len(keys) else None
+        good: list[OffloadKey] = []
+        for key, row in zip(keys, rows, strict=True):
+            if read_ok is not None and key not in read_ok:
+                continue
+            expected = digests.get(key)
+            if expected is not None and _checksum(row) != expected:
+                batch.errors[key] = CorruptBlock(
+                    key, "the bytes read back differ from those stored (checksum mismatch)"
+                )
+            else:
+                good.append(key)
+        return good
 
     def _failure(self, job: _Job, error: str) -> JobResult:
         return JobResult(job.meta.job_id, False, successful_keys=frozenset(), error=error)
@@ -625,6 +677,7 @@ class TierService:
                 self.absent_at.pop(key, None)
             else:
                 self.present.discard(key)
+                self._digests.pop(key, None)
                 if self.shared:
                     self.absent_at.pop(key, None)  # re-insert at the end (pruning order)
                     self.absent_at[key] = now
@@ -664,8 +717,10 @@ class TierService:
         now = time.monotonic()
         removed = [k for k in keys if k in self.present]
         claims = self._claims
+        digests = self._digests
         for key in keys:
             self.present.discard(key)
+            digests.pop(key, None)
             if key in claims:  # e.g. evicted by a later write of the same batch
                 self._removed_during_op.add(key)
             if self.shared:
@@ -687,6 +742,11 @@ def _describe_errors(errors: dict[OffloadKey, BaseException], total: int, verb: 
         f"{len(errors)} of {total} blocks not {verb}; first: block {key.hex()}: "
         f"{type(exc).__name__}: {exc}"
     )
+
+
+def _checksum(block: memoryview) -> int:
+    """xxh3-64 of a block (xxhash releases the GIL while hashing large buffers)."""
+    return xxhash.xxh3_64_intdigest(block)
 
 
 def _release_views(views: list[memoryview]) -> None:
