@@ -48,7 +48,7 @@ def job_metadata(transfer_job: Any, *, is_promotion: bool) -> JobMetadata:
     """
     return JobMetadata(
         job_id=transfer_job.job_id,
-        keys=tuple(OffloadKey(bytes(k)) for k in transfer_job.keys),
+        keys=tuple(transfer_job.keys),  # vLLM's OffloadKey is ours: hash + 4-byte group
         block_ids=transfer_job.chunk_ids,
         is_promotion=is_promotion,
         req_context=request_context(transfer_job.req_context),
