@@ -38,21 +38,30 @@ def run_and_kill(
     acked: set[int] = set()
     evicted: set[int] = set()
     batches = 0
+
+    def note(line: str) -> None:
+        nonlocal batches
+        word, *numbers = line.split() or [""]
+        if word == "ACK":
+            acked.update(map(int, numbers))
+            batches += 1
+        elif word == "DEL":
+            evicted.update(map(int, numbers))
+
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
-            word, *numbers = line.split()
-            if word == "ACK":
-                acked.update(map(int, numbers))
-                batches += 1
-                if batches >= acks:
-                    proc.send_signal(signal.SIGKILL)  # mid-stream: other batches are in flight
-                    break
-            elif word == "DEL":
-                evicted.update(map(int, numbers))
+            note(line)
+            if batches >= acks:
+                proc.send_signal(signal.SIGKILL)  # mid-stream: other batches are in flight
+                break
     finally:
         proc.kill()
-        _, err = proc.communicate(timeout=30)
+        # Lines written before the kill: evictions (printed before their DEL record is
+        # journaled) and acknowledgements the loop above had not read yet.
+        rest, err = proc.communicate(timeout=30)
+        for line in rest.splitlines():
+            note(line)
     assert batches >= acks, f"writer died early: {err}"
     assert proc.returncode == -signal.SIGKILL
     return acked, evicted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -21,46 +22,55 @@ from tiers.fs.records import (
 
 SEED = 0x1234_5678_9ABC_DEF0
 keys = st.binary(min_size=1, max_size=40)
-ops = st.lists(
+#: A record: ("put", [(key, slot, checksum)...]) or ("del", [key...]).
+Batch = tuple[str, list[Any]]
+records_strategy = st.lists(
     st.one_of(
-        st.tuples(st.just("put"), keys, st.integers(0, 15), st.integers(0, 2**128 - 1)),
-        st.tuples(st.just("del"), keys, st.just(0), st.just(0)),
+        st.tuples(
+            st.just("put"),
+            st.lists(st.tuples(keys, st.integers(0, 15), st.integers(0, 2**128 - 1)), min_size=1),
+        ),
+        st.tuples(st.just("del"), st.lists(keys, min_size=1, max_size=4)),
     ),
-    max_size=40,
+    max_size=20,
 )
 
 
-def encode(sequence: list[tuple[str, bytes, int, int]]) -> list[bytes]:
+def encode(batches: list[Batch]) -> list[bytes]:
     return [
-        encode_put(k, slot, digest, SEED) if op == "put" else encode_del(k, SEED)
-        for op, k, slot, digest in sequence
+        encode_put(entries, SEED) if kind == "put" else encode_del(entries, SEED)
+        for kind, entries in batches
     ]
 
 
-def model(sequence: list[tuple[str, bytes, int, int]]) -> dict[bytes, tuple[int, int]]:
-    """What the index must be: later records win, a reused slot drops its previous key."""
+def model(batches: list[Batch]) -> dict[bytes, tuple[int, int]]:
+    """What the index must be: later entries win, a reused slot drops its previous key."""
     state: dict[bytes, tuple[int, int]] = {}
-    for op, k, slot, digest in sequence:
-        state.pop(k, None)
-        if op == "put":
-            for other in [o for o, (s, _) in state.items() if s == slot]:
-                del state[other]
-            state[k] = (slot, digest)
+    for kind, entries in batches:
+        for entry in entries:
+            k = entry[0] if kind == "put" else entry
+            state.pop(k, None)
+            if kind == "put":
+                _, slot, digest = entry
+                for other in [o for o, (s, _) in state.items() if s == slot]:
+                    del state[other]
+                state[k] = (slot, digest)
     return state
 
 
-@given(ops)
-def test_replay_applies_records_in_order(sequence: list[tuple[str, bytes, int, int]]) -> None:
-    result = replay(b"".join(encode(sequence)), SEED)
-    assert result.entries == model(sequence)
-    assert result.records == len(sequence)
+@given(records_strategy)
+def test_replay_applies_records_in_order(batches: list[Batch]) -> None:
+    result = replay(b"".join(encode(batches)), SEED)
+    assert result.entries == model(batches)
+    assert result.records == len(batches)
 
 
-@given(ops, st.data())
+@given(records_strategy, st.data())
 def test_a_torn_tail_replays_exactly_the_complete_records(
-    sequence: list[tuple[str, bytes, int, int]], data: st.DataObject
+    batches: list[Batch],
+    data: st.DataObject,
 ) -> None:
-    records = encode(sequence)
+    records = encode(batches)
     blob = b"".join(records)
     cut = data.draw(st.integers(0, len(blob)))
     result = replay(blob[:cut], SEED)
@@ -72,14 +82,15 @@ def test_a_torn_tail_replays_exactly_the_complete_records(
         complete += 1
     assert result.records == complete
     assert result.valid_bytes == end
-    assert result.entries == model(sequence[:complete])
+    assert result.entries == model(batches[:complete])
 
 
-@given(ops, st.data())
+@given(records_strategy, st.data())
 def test_a_damaged_record_ends_the_replay_there(
-    sequence: list[tuple[str, bytes, int, int]], data: st.DataObject
+    batches: list[Batch],
+    data: st.DataObject,
 ) -> None:
-    records = encode(sequence)
+    records = encode(batches)
     if not records:
         return
     victim = data.draw(st.integers(0, len(records) - 1))
@@ -89,13 +100,13 @@ def test_a_damaged_record_ends_the_replay_there(
     blob[position] ^= 1 << data.draw(st.integers(0, 7))
     result = replay(bytes(blob), SEED)
     assert result.records == victim
-    assert result.entries == model(sequence[:victim])
+    assert result.entries == model(batches[:victim])
 
 
 def test_records_of_another_cache_never_validate() -> None:
-    blob = encode_put(b"key", 3, 99, SEED) + encode_del(b"key", SEED)
+    blob = encode_put([(b"key", 3, 99)], SEED) + encode_del([b"key"], SEED)
     assert list(iter_records(blob, SEED + 1)) == []
-    assert len(list(iter_records(blob, SEED))) == 2
+    assert [len(entries) for entries, _ in iter_records(blob, SEED)] == [1, 1]
 
 
 def test_journal_header_checks_magic_checksum_and_cache() -> None:
@@ -112,7 +123,9 @@ def test_journal_header_checks_magic_checksum_and_cache() -> None:
 
 def test_oversized_keys_are_refused() -> None:
     with pytest.raises(ValueError, match="exceeds"):
-        encode_put(bytes(5000), 0, 0, SEED)
+        encode_put([(bytes(5000), 0, 0)], SEED)
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_del([bytes(5000)], SEED)
 
 
 def test_header_round_trip_and_mismatch_reasons() -> None:

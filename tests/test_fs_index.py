@@ -120,7 +120,7 @@ class ArcIndexMachine(IndexMachine):
 
 # A third of the profile's examples (60 under "ci"): the suite shares two small cores.
 _budget = settings(
-    max_examples=max(20, (settings.default.max_examples or 60) // 3),
+    max_examples=max(20, (settings.default.max_examples if settings.default else 60) // 3),
     stateful_step_count=40,
     deadline=None,
 )

@@ -219,6 +219,21 @@ class SlotIndex:
         self._owner[slot] = key
         return old
 
+    def commit_many(self, items: Iterable[tuple[OffloadKey, int, int]], seq: int) -> None:
+        """:meth:`commit` for ``(key, slot, checksum)`` items of one durable record ``seq``."""
+        reserved, entries, owner, policy = self._reserved, self._entries, self._owner, self._policy
+        for key, slot, checksum in items:
+            del reserved[slot]
+            old = entries.get(key)
+            if old is not None:
+                del owner[old.slot]
+                self._free_or_zombie(old.slot, seq)
+                policy.access(key)
+            else:
+                policy.insert(key)
+            entries[key] = Entry(slot, checksum)
+            owner[slot] = key
+
     def remove(self, key: OffloadKey, seq: int) -> Entry | None:
         """Drop ``key`` (its DEL record is journal ``seq``); None if it was absent."""
         entry = self._entries.pop(key, None)

@@ -42,8 +42,10 @@ logger = logging.getLogger(__name__)
 #: Compact once the file is this much larger than its live records (and at least MIN).
 COMPACT_FACTOR = 4
 COMPACT_MIN_BYTES = 8 * 1024 * 1024
-#: A rough size of one PUT record (36-byte keys), for the compaction threshold.
+#: A rough size of one PUT entry (36-byte keys), for the compaction threshold.
 RECORD_ESTIMATE = 70
+#: Entries per PUT record in a snapshot.
+SNAPSHOT_RECORD_ENTRIES = 4096
 
 
 class JournalWriteError(OSError):
@@ -77,9 +79,10 @@ def write_snapshot(root: Path, header: Header, entries: list[tuple[bytes, int, i
     Blocking: call it in a worker thread.
     """
     seed = header.journal_seed
+    chunk = SNAPSHOT_RECORD_ENTRIES
     payload = b"".join(
         [encode_header(bytes.fromhex(header.cache_id))]
-        + [encode_put(key, slot, checksum, seed) for key, slot, checksum in entries]
+        + [encode_put(entries[i : i + chunk], seed) for i in range(0, len(entries), chunk)]
     )
     tmp = root / f".{JOURNAL_NAME}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)

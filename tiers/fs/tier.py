@@ -43,7 +43,7 @@ from tiers.fs.config import (
 from tiers.fs.errors import RootInUseError, TierFullError
 from tiers.fs.index import Entry, SlotIndex
 from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
-from tiers.fs.io.aligned import BouncePool, is_aligned
+from tiers.fs.io.aligned import BouncePool, address_of
 from tiers.fs.journal import JournalWriter, open_for_append, recover, write_snapshot
 from tiers.fs.layout import (
     ALIGNMENT,
@@ -63,6 +63,8 @@ from tiers.fs.slabs import SlabFiles
 logger = logging.getLogger(__name__)
 
 _checksum = xxhash.xxh3_128_intdigest
+#: ``max_concurrency``: blocks the framework may have in this tier's calls at once.
+MAX_BLOCKS_PER_CALL = 1024
 #: Most buffers in one vectored op (Linux's IOV_MAX).
 _IOV_MAX = 1024
 #: Hash this many bytes on the loop between yields, so completions keep flowing.
@@ -195,10 +197,14 @@ class FileSystemTier(AsyncTier):
             reason = uring_unavailable_reason()
             if reason is not None:
                 raise ConfigError(f"fs tier: io_backend='uring' is not available here: {reason}")
-        self.max_concurrency = self.config.queue_depth
+        # Blocks the framework may hand over at once. Queued blocks cost nothing here (the
+        # backend keeps ``queue_depth`` ops in the kernel), and whole jobs in one call
+        # coalesce into large vectored I/Os, so take a whole job or several.
+        self.max_concurrency = MAX_BLOCKS_PER_CALL
         self.stats = FsTierStats()
         self._open_state: _Open | None = None
         self._closed = False
+        self._direct_io = False
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -262,6 +268,7 @@ class FileSystemTier(AsyncTier):
         cfg = self.config
         loop = asyncio.get_running_loop()
         geometry = prepared.geometry
+        self._direct_io = prepared.slabs.direct
         policy = cast(
             "EvictionPolicy[OffloadKey]", make_policy(cfg.eviction_policy, geometry.capacity_slots)
         )
@@ -311,6 +318,7 @@ class FileSystemTier(AsyncTier):
             queue_depth=cfg.queue_depth,
             n_read_threads=cfg.n_read_threads,
             n_write_threads=cfg.n_write_threads,
+            direct_io=self._direct_io,
         )
 
     async def aclose(self) -> None:
@@ -394,7 +402,7 @@ class FileSystemTier(AsyncTier):
             return
         seq = state.journal.next_seq
         state.index.remove(key, seq)
-        state.journal.append(encode_del(key, state.seed), retry=True)
+        state.journal.append(encode_del([key], state.seed), retry=True)
         self._notify_room(state)
         await state.journal.wait_durable(seq)
 
@@ -428,7 +436,7 @@ class FileSystemTier(AsyncTier):
         state = self._state()
         if len(keys) != len(views):
             raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
-        block_views = [self._block_view(v, writable=True) for v in views]
+        block_views = self._block_views(views, writable=True)
         errors: dict[bytes, BaseException] = {}
         blocks: list[_Block] = []
         index = state.index
@@ -492,7 +500,7 @@ class FileSystemTier(AsyncTier):
         seq = state.journal.next_seq
         state.index.remove(key, seq)
         with contextlib.suppress(RuntimeError):  # closing: the entry is gone from memory anyway
-            state.journal.append(encode_del(key, state.seed), retry=True)
+            state.journal.append(encode_del([key], state.seed), retry=True)
         self.report_removed([key])
         logger.warning("fs tier %s: dropped block %s: %s", self.context.name, key.hex(), why)
 
@@ -528,7 +536,7 @@ class FileSystemTier(AsyncTier):
             raise ValueError(f"{len(keys)} keys but {len(datas)} buffers")
         if len(set(keys)) != len(keys):
             raise ValueError("a write batch names the same key twice")
-        views = [self._block_view(d, writable=False) for d in datas]
+        views = self._block_views(datas, writable=False)
         index, journal = state.index, state.journal
         errors: dict[bytes, BaseException] = {}
         # All or nothing: a batch that fits waits while other writes and reads hold the
@@ -537,9 +545,7 @@ class FileSystemTier(AsyncTier):
             await self._room_changed(state)
         reservation = index.reserve(len(keys), journal.durable_seq, journal.next_seq)
         if reservation.evicted:
-            journal.append(
-                b"".join(encode_del(k, state.seed) for k, _ in reservation.evicted), retry=True
-            )
+            journal.append(encode_del([k for k, _ in reservation.evicted], state.seed), retry=True)
             self.stats.evictions += len(reservation.evicted)
             self.report_removed([k for k, _ in reservation.evicted])
         blocks = [
@@ -600,14 +606,14 @@ class FileSystemTier(AsyncTier):
         if not good:
             return
         seq = journal.next_seq
-        payload = b"".join(encode_put(b.key, b.slot, b.checksum, state.seed) for b in good)
+        entries = [(b.key, b.slot, b.checksum) for b in good]
+        payload = encode_put(entries, state.seed)
         index = state.index
         stats = self.stats
         block_bytes = state.geometry.block_bytes
 
         def commit() -> None:
-            for b in good:
-                index.commit(b.key, b.slot, b.checksum, seq)
+            index.commit_many(entries, seq)
             stats.blocks_written += len(good)
             stats.bytes_written += len(good) * block_bytes
             self._notify_room(state)
@@ -675,15 +681,20 @@ class FileSystemTier(AsyncTier):
         block_bytes, slot_bytes = geometry.block_bytes, geometry.slot_bytes
         io_len = slot_bytes if direct else block_bytes
         contiguous = io_len == slot_bytes
-        max_io = max(self.config.max_io_bytes, io_len)
+        per_op = max(1, min(_IOV_MAX, self.config.max_io_bytes // io_len))
+        slots_per_slab = geometry.slots_per_slab
+        # O_DIRECT can use a buffer as it is only if it is aligned and fills the slot.
+        odd_size = direct and (block_bytes != slot_bytes or block_bytes % ALIGNMENT != 0)
         plan: list[tuple[IoOp, list[_Block]]] = []
         group: list[_Block] = []
         buffers: list[memoryview] = []
+        addresses: list[int] = []
         first_slot = prev_slot = -1
         blocks.sort(key=_slot_of)
         for block in blocks:
             buf = block.view
-            if direct and (block_bytes != slot_bytes or not is_aligned(buf)):
+            address = address_of(buf)
+            if direct and (odd_size or address % ALIGNMENT):
                 bounce = state.bounce.take()
                 block.bounce = bounce
                 if kind is OpKind.WRITE:
@@ -691,41 +702,50 @@ class FileSystemTier(AsyncTier):
                     if state.pad:
                         bounce[block_bytes:] = state.pad
                 buf = bounce
+                address = address_of(bounce)
             slot = block.slot
-            if not (
+            if (
                 group
                 and contiguous
                 and slot == prev_slot + 1
-                and geometry.slab_of(slot) == geometry.slab_of(first_slot)
-                and (len(group) + 1) * io_len <= max_io
-                and len(group) < _IOV_MAX
+                and slot // slots_per_slab == first_slot // slots_per_slab
+                and len(group) < per_op
             ):
+                group.append(block)
+                buffers.append(buf)
+                addresses.append(address)
+            else:
                 if group:
-                    plan.append((self._make_op(state, kind, first_slot, buffers), group))
-                group, buffers, first_slot = [], [], slot
-            group.append(block)
-            buffers.append(buf)
+                    plan.append((self._make_op(state, kind, first_slot, buffers, addresses), group))
+                group, buffers, addresses, first_slot = [block], [buf], [address], slot
             prev_slot = slot
         if group:
-            plan.append((self._make_op(state, kind, first_slot, buffers), group))
+            plan.append((self._make_op(state, kind, first_slot, buffers, addresses), group))
         return plan
 
     @staticmethod
-    def _make_op(state: _Open, kind: OpKind, slot: int, buffers: list[memoryview]) -> IoOp:
+    def _make_op(
+        state: _Open, kind: OpKind, slot: int, buffers: list[memoryview], addresses: list[int]
+    ) -> IoOp:
         _, fd, offset = state.slabs.locate(slot)
-        return IoOp(kind, fd, offset, buffers)
+        return IoOp(kind, fd, offset, buffers, addresses=addresses)
 
-    def _block_view(self, buffer: memoryview, writable: bool) -> memoryview:
-        view = buffer if isinstance(buffer, memoryview) else memoryview(buffer)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-        if view.nbytes != self.block_bytes:
-            raise ValueError(
-                f"a block buffer must be exactly {self.block_bytes} bytes, got {view.nbytes}"
-            )
-        if writable and view.readonly:
-            raise ValueError("read() needs a writable buffer")
-        return view
+    def _block_views(self, buffers: Sequence[memoryview], writable: bool) -> list[memoryview]:
+        """The buffers as flat byte views of exactly one block (raises ValueError otherwise)."""
+        size = self.block_bytes
+        out: list[memoryview] = []
+        for buffer in buffers:
+            view = buffer
+            if type(view) is not memoryview or view.ndim != 1 or view.format != "B":
+                view = memoryview(buffer)
+                if view.format != "B" or view.ndim != 1:
+                    view = view.cast("B")
+            if view.nbytes != size:
+                raise ValueError(f"a block buffer must be exactly {size} bytes, got {view.nbytes}")
+            if writable and view.readonly:
+                raise ValueError("read() needs a writable buffer")
+            out.append(view)
+        return out
 
     # -- durability ---------------------------------------------------------------------
 

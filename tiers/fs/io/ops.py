@@ -49,6 +49,7 @@ class IoOp:
     """One read, write or fdatasync. ``buffers`` are moved in order starting at ``offset``."""
 
     __slots__ = (
+        "addresses",
         "batch",
         "buffers",
         "done",
@@ -69,11 +70,14 @@ class IoOp:
         offset: int = 0,
         buffers: Sequence[memoryview] = (),
         priority: Priority | None = None,
+        addresses: list[int] | None = None,
     ) -> None:
         self.kind = kind
         self.fd = fd
         self.offset = offset
         self.buffers = list(buffers)
+        #: The buffers' addresses when the caller already knows them (saves io_uring a lookup).
+        self.addresses = addresses
         self.nbytes = sum(b.nbytes for b in self.buffers)
         self.priority = priority if priority is not None else _DEFAULT_PRIORITY[kind]
         self.done = 0
@@ -99,6 +103,20 @@ class IoOp:
                 skip -= size
                 continue
             out.append(buf[skip:] if skip else buf)
+            skip = 0
+        return out
+
+    def remaining_spans(self) -> list[tuple[int, int]]:
+        """``(address, length)`` of what is still to move (needs ``addresses``)."""
+        assert self.addresses is not None
+        skip = self.done
+        out: list[tuple[int, int]] = []
+        for buf, address in zip(self.buffers, self.addresses, strict=True):
+            size = buf.nbytes
+            if skip >= size:
+                skip -= size
+                continue
+            out.append((address + skip, size - skip))
             skip = 0
         return out
 

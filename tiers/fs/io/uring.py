@@ -48,14 +48,15 @@ def _iovec_array(iov: object, count: int) -> Any:
 
 def make_iovec(buffers: Sequence[memoryview]) -> object:
     """A liburing ``Iovec`` over ``buffers`` that holds no export of them (keep them alive)."""
+    return iovec_from_spans([(address_of(buf), buf.nbytes) for buf in buffers])
+
+
+def iovec_from_spans(spans: Sequence[tuple[int, int]]) -> object:
+    """A liburing ``Iovec`` over ``(address, length)`` spans (the memory must stay alive)."""
     assert _uring is not None
-    count = len(buffers)
+    count = len(spans)
     iov = _uring.Iovec([_PLACEHOLDER] * count)
-    fields: list[int] = []
-    for buf in buffers:
-        fields.append(address_of(buf))
-        fields.append(buf.nbytes)
-    _iovec_array(iov, count)[:] = fields
+    _iovec_array(iov, count)[:] = [field for span in spans for field in span]
     return iov
 
 
@@ -155,7 +156,10 @@ class UringBackend(IoBackend):
         if op.kind is OpKind.FSYNC:
             lib.io_uring_prep_fsync(sqe, op.fd, lib.IORING_FSYNC_DATASYNC)
         else:
-            iov = make_iovec(op.remaining())
+            if op.addresses is not None:
+                iov = iovec_from_spans(op.remaining_spans())
+            else:
+                iov = make_iovec(op.remaining())
             prep = lib.io_uring_prep_readv if op.kind is OpKind.READ else lib.io_uring_prep_writev
             prep(sqe, op.fd, iov, op.offset + op.done)
         user_data = self._next_id
