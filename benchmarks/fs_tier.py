@@ -286,6 +286,7 @@ def make_manager(
         io_backend=args.backend,
         direct_io=direct,
         queue_depth=args.queue_depth,
+        max_io_bytes=args.max_io_kib * KiB,
     )
     return AsyncTierManager(
         tier,
@@ -528,6 +529,7 @@ def main() -> None:
     parser.add_argument("--job-blocks", type=int, default=64)
     parser.add_argument("--jobs-in-flight", type=int, default=4)
     parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--max-io-kib", type=int, default=8192, help="tier's max_io_bytes")
     parser.add_argument("--backend", default="auto", choices=["auto", "uring", "threads"])
     parser.add_argument("--poll-s", type=float, default=0.0005, help="scheduler idle sleep")
     parser.add_argument("--gil-s", type=float, default=3.0, help="seconds per GIL measurement")

@@ -253,7 +253,8 @@ class SlotIndex:
         """
         if usable_slots >= self._usable:
             return
-        assert all(s < usable_slots for s in self._owner), "cutting a live slot"
+        if any(s >= usable_slots for s in self._owner):
+            raise ValueError(f"cannot limit capacity to {usable_slots}: a live block is above it")
         self._usable = usable_slots
         self._next_fresh = min(self._next_fresh, usable_slots)
         self._free = deque((s, seq) for s, seq in self._free if s < usable_slots)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -450,9 +451,9 @@ class FileSystemTier(AsyncTier):
             return errors
         try:
             plan = self._plan(state, blocks, OpKind.READ)
+            for op, group in plan:  # verify each op's blocks as soon as it completes
+                op.on_done = functools.partial(self._settle_read, state, group=group)
             await state.backend.run([op for op, _ in plan])
-            for op, group in plan:
-                self._settle_read(state, op, group)
         finally:
             for block in blocks:
                 index.unpin(block.slot)
@@ -474,7 +475,7 @@ class FileSystemTier(AsyncTier):
                 self._drop(state, block.key, block.entry, block.error)
         return errors
 
-    def _settle_read(self, state: _Open, op: IoOp, group: list[_Block]) -> None:
+    def _settle_read(self, state: _Open, op: IoOp, *, group: list[_Block]) -> None:
         block_bytes = state.geometry.block_bytes
         io_len = op.nbytes // len(group)
         for i, block in enumerate(group):

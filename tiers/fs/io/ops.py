@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
+import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class OpKind(enum.IntEnum):
@@ -58,6 +62,7 @@ class IoOp:
         "kind",
         "nbytes",
         "offset",
+        "on_done",
         "priority",
         "started",
         "withdrawn",
@@ -78,6 +83,9 @@ class IoOp:
         self.buffers = list(buffers)
         #: The buffers' addresses when the caller already knows them (saves io_uring a lookup).
         self.addresses = addresses
+        #: Runs on the loop as soon as this op is over (e.g. to verify its blocks while the
+        #: rest of the batch is still in flight).
+        self.on_done: Callable[[IoOp], None] | None = None
         self.nbytes = sum(b.nbytes for b in self.buffers)
         self.priority = priority if priority is not None else _DEFAULT_PRIORITY[kind]
         self.done = 0
@@ -121,6 +129,14 @@ class IoOp:
         return out
 
     def finish(self) -> None:
+        """Called once by the backend, on the loop thread, when the op is over."""
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # a bug in the hook must not wedge the batch
+                logger.exception("I/O completion hook failed for %r", self)
+                if self.error is None:
+                    self.error = OSError(errno.EIO, "completion hook failed")
         if self.batch is not None:
             self.batch.op_finished()
 
