@@ -16,7 +16,9 @@ under $TMPDIR):
 * the **raw ceiling**: plain O_DIRECT writes and reads of the same bytes, in
   block-sized ops at the tier's queue depth, on a preallocated file: Python
   io_uring, and fio (io_uring engine) where installed; the ratio uses the
-  better of the two;
+  better of the two. Raw and tier runs alternate ``--reps`` times (the virtual
+  disk serves recently written data faster, so each reads data written moments
+  before) and medians are compared;
 * **CPU seconds per GB** (user+sys of this process, all threads; also without
   the scheduler thread's own polling);
 * **GIL**: batches/s of a pure-Python loop (heap and dict work, like a
@@ -109,6 +111,11 @@ def measure(nbytes: int) -> Iterator[Figure]:
 def _process_cpu() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def median_figure(figures: list[Figure]) -> Figure:
+    """The run with the median throughput (its CPU figures come with it)."""
+    return sorted(figures, key=lambda f: f.gbps)[len(figures) // 2]
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -278,11 +285,11 @@ def run_jobs(manager: AsyncTierManager, work: Workload, load: bool, poll_s: floa
 
 
 def make_manager(
-    root: Path, primary: Primary, work: Workload, args: argparse.Namespace, direct: bool
+    root: Path, primary: Primary, total: int, block: int, args: argparse.Namespace, direct: bool
 ) -> AsyncTierManager:
     tier = FileSystemTier(
         root_dir=root,
-        capacity_bytes=work.total + 64 * MiB,
+        capacity_bytes=total + 64 * MiB,
         io_backend=args.backend,
         direct_io=direct,
         queue_depth=args.queue_depth,
@@ -292,9 +299,9 @@ def make_manager(
         tier,
         primary.view(),
         "fs",
-        block_bytes=work.block,
+        block_bytes=block,
         job_timeout_s=120.0,
-        layout_fingerprint=f"bench-{work.block}",
+        layout_fingerprint=f"bench-{block}",
     )
 
 
@@ -347,47 +354,64 @@ def bench_case(name: str, block: int, args: argparse.Namespace, scratch: Path) -
         flush=True,
     )
 
-    def ceiling(write: bool) -> tuple[Figure, Figure | None]:
-        py = raw_uring(raw_file, block, total, args.queue_depth, write)
-        if not write:
-            drop_cache([raw_file])
-        fio = raw_fio(raw_file, block, total, args.queue_depth, write)
-        return py, fio
+    samples: dict[str, list[Figure]] = {}
 
-    # O_DIRECT: store, then load (no page cache involved).
+    def keep(label: str, figure: Figure | None) -> None:
+        if figure is not None:
+            samples.setdefault(label, []).append(figure)
+
+    # O_DIRECT: store, then load (no page cache involved). The raw ceiling and the tier
+    # alternate, ``--reps`` times, each reading data written moments before (the virtual
+    # disk serves recently written data faster), and the medians are compared.
     root = scratch / f"tier-{name}"
-    work = Workload(block, total, job_blocks, in_flight, f"{name}-direct")
-    with make_manager(root, primary, work, args, direct=True) as manager:
-        out["raw_write"], out["fio_write"] = ceiling(write=True)
-        out["store"] = run_jobs(manager, work, load=False, poll_s=args.poll_s)
-        out["raw_read"], out["fio_read"] = ceiling(write=False)
-        out["load"] = run_jobs(manager, work, load=True, poll_s=args.poll_s)
+    with make_manager(root, primary, total, block, args, direct=True) as manager:
+        for rep in range(args.reps):
+            work = Workload(block, total, job_blocks, in_flight, f"{name}-direct-{rep}")
+            keep("raw_write", raw_uring(raw_file, block, total, args.queue_depth, write=True))
+            keep("fio_write", raw_fio(raw_file, block, total, args.queue_depth, write=True))
+            keep("store", run_jobs(manager, work, load=False, poll_s=args.poll_s))
+            drop_cache([raw_file])
+            keep("raw_read", raw_uring(raw_file, block, total, args.queue_depth, write=False))
+            keep("fio_read", raw_fio(raw_file, block, total, args.queue_depth, write=False))
+            keep("load", run_jobs(manager, work, load=True, poll_s=args.poll_s))
         out["direct"] = manager.tier.stats.direct_io  # type: ignore[attr-defined]
         out["backend"] = manager.tier.stats.io_backend  # type: ignore[attr-defined]
         # GIL: the Python loop alone, then while the tier stores and loads flat out.
         alone = python_loop_rate(args.gil_s)
-        flip = [False]
+        waves = [0]
 
         def wave() -> None:
-            # Blocking drain: the scheduler thread sleeps in a queue, holding no GIL.
-            jobs = work.jobs[: 2 * in_flight]
-            for keys, job_id in jobs:
-                slot = job_id % in_flight
-                rows = np.arange(slot * job_blocks, (slot + 1) * job_blocks, dtype=np.int64)
-                meta = JobMetadata(job_id + 10**6, tuple(keys), rows, is_promotion=flip[0])
-                (manager.submit_load if flip[0] else manager.submit_store)(meta)
-            manager.drain(120)
-            list(manager.get_finished())
-            flip[0] = True
+            # Store fresh blocks, then load them back. The scheduler thread waits in a
+            # blocking drain (a queue: no GIL held), so only the tier competes for the GIL.
+            waves[0] += 1
+            work = Workload(
+                block,
+                2 * in_flight * job_blocks * block,
+                job_blocks,
+                in_flight,
+                f"{name}-gil-{waves[0]}",
+            )
+            for load in (False, True):
+                for keys, job_id in work.jobs:
+                    slot = job_id % in_flight
+                    rows = np.arange(slot * job_blocks, (slot + 1) * job_blocks, dtype=np.int64)
+                    meta = JobMetadata(job_id + 10**6, tuple(keys), rows, is_promotion=load)
+                    (manager.submit_load if load else manager.submit_store)(meta)
+                manager.drain(120)
+                list(manager.get_finished())
 
         busy = python_loop_rate(args.gil_s, during=wave)
         out["gil"] = {"alone": alone, "busy": busy, "slowdown": alone / busy if busy else 0}
     shutil.rmtree(root, ignore_errors=True)
+    for label, figures in samples.items():
+        out[label] = median_figure(figures)
+    out.setdefault("fio_write", None)
+    out.setdefault("fio_read", None)
 
     # Buffered fallback: store, cold load (pages dropped), warm load.
     root = scratch / f"tier-{name}-buffered"
     work = Workload(block, total, job_blocks, in_flight, f"{name}-buffered")
-    with make_manager(root, primary, work, args, direct=False) as manager:
+    with make_manager(root, primary, total, block, args, direct=False) as manager:
         out["store_buffered"] = run_jobs(manager, work, load=False, poll_s=args.poll_s)
         drop_cache(sorted(root.glob("slab-*.bin")))
         out["load_cold"] = run_jobs(manager, work, load=True, poll_s=args.poll_s)
@@ -416,7 +440,7 @@ def run_vllm(args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, flo
         "--modes",
         "odirect",
         "--runs",
-        "1",
+        str(args.vllm_runs),
         "--total-mib-2m",
         str(args.total_mib),
         "--total-mib-64k",
@@ -446,7 +470,11 @@ def run_vllm(args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, flo
 # -- report ----------------------------------------------------------------------------------
 
 
-def report(results: dict[str, dict[str, Any]], vllm: dict[str, dict[str, float]] | None) -> None:
+def report(
+    results: dict[str, dict[str, Any]],
+    vllm: dict[str, dict[str, float]] | None,
+    args: argparse.Namespace,
+) -> None:
     print()
     header = (
         f"{'case':<6} {'phase':<19} {'GB/s':>6} {'raw py':>7} {'fio':>6} {'of raw':>7} "
@@ -485,6 +513,12 @@ def report(results: dict[str, dict[str, Any]], vllm: dict[str, dict[str, float]]
             f"slowdown {gil['slowdown']:.2f}x (target <= 1.25x)"
         )
     first = next(iter(results.values()))
+    print(
+        f"O_DIRECT rows and their ceilings: median of {args.reps} alternating runs; buffered "
+        f"rows: one run; vLLM: median of {args.vllm_runs} runs of its harness "
+        f"(drive_fs_tier.py, same sizes, {args.job_blocks}-block requests, "
+        f"{args.jobs_in_flight} in flight)."
+    )
     print(
         f"backend={first['backend']} direct_io={first['direct']}; CPU s/GB = user+sys of this "
         "process (all threads) per GB moved; 'excl.sched' leaves out the benchmark's own "
@@ -533,6 +567,8 @@ def main() -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "uring", "threads"])
     parser.add_argument("--poll-s", type=float, default=0.0005, help="scheduler idle sleep")
     parser.add_argument("--gil-s", type=float, default=3.0, help="seconds per GIL measurement")
+    parser.add_argument("--reps", type=int, default=3, help="O_DIRECT runs per case (median)")
+    parser.add_argument("--vllm-runs", type=int, default=3, help="vLLM harness runs (median)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: $TMPDIR)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--quick", action="store_true", help="256 MiB per case, no vLLM")
@@ -540,7 +576,7 @@ def main() -> None:
     args = parser.parse_args()
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if args.quick:
-        args.total_mib, args.skip_vllm, args.gil_s = 256, True, 1.5
+        args.total_mib, args.skip_vllm, args.gil_s, args.reps = 256, True, 1.5, 1
     logging.basicConfig(level=logging.WARNING)
     scratch = Path(tempfile.mkdtemp(prefix="fs-tier-bench-", dir=args.dir))
     try:
@@ -548,7 +584,7 @@ def main() -> None:
         vllm = run_vllm(args, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report(results, vllm)
+    report(results, vllm, args)
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(results, vllm), indent=1))
 

@@ -180,17 +180,24 @@ class SlabFiles:
 
 
 def probe_direct_io(path: Path) -> str | None:
-    """Why O_DIRECT reads of ``path`` fail (None when they work). Blocking."""
+    """Why O_DIRECT I/O on ``path`` fails (None when it works). Blocking.
+
+    Reads the first page and writes the same bytes back (the caller holds the
+    root's lock, so nothing else writes there meanwhile).
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as exc:
         return f"open(O_DIRECT): {exc.strerror or exc}"
     buf = mmap.mmap(-1, ALIGNMENT)
+    step = "pread"
     try:
         if os.fstat(fd).st_size >= ALIGNMENT:
-            os.preadv(fd, [buf], 0)
+            if os.preadv(fd, [buf], 0) == ALIGNMENT:
+                step = "pwrite"
+                os.pwritev(fd, [buf], 0)
     except OSError as exc:
-        return f"pread(O_DIRECT): {exc.strerror or exc}"
+        return f"{step}(O_DIRECT): {exc.strerror or exc}"
     finally:
         os.close(fd)
         buf.close()
