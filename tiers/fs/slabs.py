@@ -192,10 +192,9 @@ def probe_direct_io(path: Path) -> str | None:
     buf = mmap.mmap(-1, ALIGNMENT)
     step = "pread"
     try:
-        if os.fstat(fd).st_size >= ALIGNMENT:
-            if os.preadv(fd, [buf], 0) == ALIGNMENT:
-                step = "pwrite"
-                os.pwritev(fd, [buf], 0)
+        if os.fstat(fd).st_size >= ALIGNMENT and os.preadv(fd, [buf], 0) == ALIGNMENT:
+            step = "pwrite"
+            os.pwritev(fd, [buf], 0)
     except OSError as exc:
         return f"{step}(O_DIRECT): {exc.strerror or exc}"
     finally:

@@ -181,6 +181,7 @@ class UringBackend(IoBackend):
     def _on_ready(self) -> None:
         self._wakeup.drain()
         lib, ring, cqe = self._lib, self._ring, self._cqe
+        finished: list[IoOp] = []
         while True:
             try:
                 lib.io_uring_peek_cqe(ring, cqe)
@@ -199,24 +200,29 @@ class UringBackend(IoBackend):
             op = entry[0]
             if op.priority is Priority.WRITE:
                 self._inflight_writes -= 1
-            self._complete(op, res)
+            if self._complete(op, res):
+                finished.append(op)
+        # Refill the ring first: completion hooks (checksums) then run while the device works.
         self._pump()
+        for op in finished:
+            op.finish()
 
-    def _complete(self, op: IoOp, res: int) -> None:
+    def _complete(self, op: IoOp, res: int) -> bool:
+        """Record a completion; False when the op was resubmitted (short or interrupted)."""
         if res < 0:
             code = -res
             if code in (errno.EINTR, errno.EAGAIN):
                 self._prepare(op)  # transient: resubmit the same remainder
-                return
+                return False
             op.error = OSError(code, os.strerror(code))
         elif op.kind is not OpKind.FSYNC:
             op.done += res
             if res > 0 and op.done < op.nbytes:
                 self._prepare(op)  # short transfer: submit the remainder
-                return
+                return False
             if res == 0 and op.kind is OpKind.WRITE and op.done < op.nbytes:
                 op.error = OSError(errno.EIO, f"write moved nothing at offset {op.offset}")
-        op.finish()
+        return True
 
     async def aclose(self) -> None:
         """Wait for ops in the ring, then tear the ring down. Idempotent.
