@@ -24,6 +24,8 @@ The other keys of the dict are split in two. The *framework's* keys
 ``max_events``           events kept for ``take_events`` (default 100000)
 ``verify``               checksum stored blocks and verify loads (default: unless
                          the tier declares ``verifies_reads``)
+``failed_load_backoff_s`` after a load of a key fails, lookups answer False for it this
+                         long (default 0: off; the vLLM adapter sets 10)
 ``module_path``          see 5. above
 
 Every other key is passed to the tier class's constructor as a keyword.
@@ -68,6 +70,7 @@ FRAMEWORK_KEYS = (
     "shared_absent_ttl_s",
     "max_events",
     "verify",
+    "failed_load_backoff_s",
 )
 _MANAGER_OPTIONS = FRAMEWORK_KEYS[3:]
 

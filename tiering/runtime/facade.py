@@ -73,7 +73,11 @@ class AsyncTierManager(SecondaryTierManager):
     (more are counted in ``stats().events_dropped``). ``verify`` (default:
     unless the tier sets ``verifies_reads``) keeps an xxh3 checksum of every
     block stored and fails a load whose bytes differ: a silently corrupted
-    read is a miss, never a wrong hit.
+    read is a miss, never a wrong hit. ``failed_load_backoff_s`` (default 0:
+    off): after a load of a key fails, :meth:`lookup` answers False for it
+    this long (until a store of it is submitted), so an engine whose manager
+    promotes every hit again at once - vLLM 0.33's - recomputes the block
+    instead of retrying a doomed load every step.
 
     Use it as a context manager, or call :meth:`shutdown`.
     """
@@ -94,6 +98,7 @@ class AsyncTierManager(SecondaryTierManager):
         shared_absent_ttl_s: float = 5.0,
         max_events: int = 100_000,
         verify: bool | None = None,
+        failed_load_backoff_s: float = 0.0,
     ) -> None:
         super().__init__(primary_kv_view, tier_type)
         if not isinstance(tier, AsyncTier):
@@ -107,6 +112,15 @@ class AsyncTierManager(SecondaryTierManager):
         ):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+        if (
+            not isinstance(failed_load_backoff_s, (int, float))
+            or isinstance(failed_load_backoff_s, bool)
+            or not failed_load_backoff_s >= 0
+        ):
+            raise ConfigError(
+                "failed_load_backoff_s must be a number of seconds >= 0, got "
+                f"{failed_load_backoff_s!r}"
+            )
         if not isinstance(max_events, int) or max_events < 0:
             raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
         self.name = name or tier_type
@@ -121,6 +135,8 @@ class AsyncTierManager(SecondaryTierManager):
         self._storing: dict[OffloadKey, int] = {}
         self._ready: deque[JobResult] = deque()
         self._requested: dict[OffloadKey, float] = {}
+        self._failed_load_backoff_s = float(failed_load_backoff_s)
+        self._failed_loads: dict[OffloadKey, float] = {}  # key -> when its load failed
         self._store_jobs = 0
         self._load_jobs = 0
         self._thread = LoopThread(f"tier-{self.name}")
@@ -172,6 +188,8 @@ class AsyncTierManager(SecondaryTierManager):
         """
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
+        if self._failed_loads and self._load_failed_recently(key):
+            return False
         if key in self._present:
             return True
         if key in self._storing or key in self._unsettled:
@@ -189,6 +207,8 @@ class AsyncTierManager(SecondaryTierManager):
         """
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
+        if self._failed_loads and self._load_failed_recently(key):
+            return Presence.ABSENT
         if key in self._present:
             return Presence.PRESENT
         if key in self._storing:
@@ -198,6 +218,15 @@ class AsyncTierManager(SecondaryTierManager):
         if not self._shared:
             return Presence.ABSENT
         return Presence.ABSENT if self._lookup_shared(key) is False else Presence.CHECKING
+
+    def _load_failed_recently(self, key: OffloadKey) -> bool:
+        failed_at = self._failed_loads.get(key)
+        if failed_at is None:
+            return False
+        if time.monotonic() - failed_at < self._failed_load_backoff_s:
+            return True
+        del self._failed_loads[key]
+        return False
 
     def _lookup_shared(self, key: OffloadKey) -> bool | None:
         now = time.monotonic()
@@ -227,6 +256,9 @@ class AsyncTierManager(SecondaryTierManager):
         id outside the primary view or a key listed twice.
         """
         job = self._accept(job_metadata, is_load=False)
+        if self._failed_loads:  # a fresh copy of the block: its old failure is moot
+            for key in job.meta.keys:
+                self._failed_loads.pop(key, None)
         storing = self._storing
         for key in job.meta.keys:
             storing[key] = storing.get(key, 0) + 1
@@ -289,7 +321,11 @@ class AsyncTierManager(SecondaryTierManager):
 
     def _deliver(self, result: JobResult) -> None:
         outstanding = self._outstanding.pop(result.job_id, None)
-        if outstanding is None or outstanding.is_load:
+        if outstanding is None:
+            return
+        if outstanding.is_load:
+            if not result.success and self._failed_load_backoff_s > 0:
+                self._note_failed_load(outstanding.keys, result.successful_keys)
             return
         storing = self._storing
         for key in outstanding.keys:
@@ -298,6 +334,18 @@ class AsyncTierManager(SecondaryTierManager):
                 storing[key] = count
             else:
                 storing.pop(key, None)
+
+    def _note_failed_load(
+        self, keys: tuple[OffloadKey, ...], loaded: frozenset[OffloadKey] | None
+    ) -> None:
+        now = time.monotonic()
+        failed = self._failed_loads
+        if len(failed) >= 65536:  # bounded: forget expired entries first
+            horizon = now - self._failed_load_backoff_s
+            self._failed_loads = failed = {k: t for k, t in failed.items() if t >= horizon}
+        for key in keys:
+            if loaded is None or key not in loaded:
+                failed[key] = now
 
     def drain(self, timeout_s: float | None = None) -> None:
         """Block until every submitted job has a result ready for :meth:`get_finished`.

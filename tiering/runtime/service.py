@@ -317,6 +317,7 @@ class TierService:
         keys = job.meta.keys
         mine = await self._claim(keys)
         batch = _Batch()
+        now_present: list[OffloadKey] = []
         try:
             present = self.present
             todo = [i for i, key in enumerate(keys) if key not in present]
@@ -327,11 +328,15 @@ class TierService:
                 await self._transfer(job, todo, batch, load=False)
             elapsed = time.monotonic() - started
         finally:
-            self._settle_written(batch)  # before releasing: unsettled keys get re-checked
+            # Before releasing: unsettled keys get re-checked, and what the tier
+            # evicted during this job is still known (``_release`` forgets it).
+            now_present = self._settle_written(batch)
             self._release(keys, mine)
         written = batch.ok
-        if written:
-            self._add_event(list(written), removed=False)
+        if now_present:
+            # Only blocks still there: one the tier wrote and evicted within this
+            # job was never announced, so it gets no removal event either.
+            self._add_event(now_present, removed=False)
         nbytes = len(written) * self.block_bytes
         counters = self.counters
         counters.blocks_stored += len(written)
@@ -356,15 +361,20 @@ class TierService:
             transfer_time=elapsed,
         )
 
-    def _settle_written(self, batch: _Batch) -> None:
-        """Publish what a store's writes did: written keys present, the rest unsettled."""
+    def _settle_written(self, batch: _Batch) -> list[OffloadKey]:
+        """Publish what a store's writes did: written keys present, the rest unsettled.
+
+        Returns the written keys that are present now.
+        """
         gone = self._removed_during_op
+        now_present: list[OffloadKey] = []
         for key in batch.ok:
             if gone and key in gone:
                 continue  # written, then evicted before the batch returned
             self.present.add(key)
             self.unsettled.discard(key)
             self.absent_at.pop(key, None)
+            now_present.append(key)
         # A write that raised or was cancelled left the block absent or complete;
         # ``contains`` will tell which.
         for key in batch.in_flight:
@@ -372,6 +382,7 @@ class TierService:
         for key in batch.errors:
             self.unsettled.add(key)
         batch.in_flight.clear()
+        return now_present
 
     async def _skip_present(self, keys: Sequence[OffloadKey], todo: list[int]) -> list[int]:
         """Shared tiers: drop keys another process already stored (errors: write anyway)."""

@@ -15,13 +15,11 @@ except ``drain_jobs`` (blocks by contract) and ``shutdown``.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
     Locality,
-    LookupResult,
     Medium,
     OffloadingEvent,
     RequestOffloadingContext,
@@ -103,18 +101,13 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             raise ConfigError(
                 f"{where}: locality must be 'LOCAL' or 'REMOTE', got {locality!r}"
             ) from None
-        if isinstance(failed_load_backoff_s, bool) or not (
-            isinstance(failed_load_backoff_s, (int, float)) and failed_load_backoff_s >= 0
-        ):
-            raise ConfigError(
-                f"{where}: failed_load_backoff_s must be a number >= 0, got "
-                f"{failed_load_backoff_s!r}"
-            )
-        self._failed_load_backoff_s = float(failed_load_backoff_s)
         self._events_enabled = self._events_wanted(bool(enable_kv_events), where)
         if not self._events_enabled:
             options["max_events"] = 0  # nobody takes them: do not keep any
 
+        # vLLM's manager promotes every HIT again at once: a block whose read keeps
+        # failing must turn into a MISS, or it would be retried every step.
+        options["failed_load_backoff_s"] = failed_load_backoff_s
         config: dict[str, Any] = {"type": our_type, **options}
         config.setdefault("name", f"vllm-{tier_type}")
         block_bytes = self.block_size_bytes
@@ -124,8 +117,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             position=_position_in_spec(offloading_spec, tier_type, options),
             layout_fingerprint=translate.layout_fingerprint(offloading_spec, block_bytes),
         )
-        self._loads: dict[int, tuple[OffloadKey, ...]] = {}  # promotions in flight: their keys
-        self._failed_loads: dict[OffloadKey, float] = {}  # key -> when its promotion failed
+        self._loads: set[int] = set()  # job ids of the promotions in flight
         self._shut_down = False
         logger.info(
             "kv-tiering tier %r (%s, %s) ready for vLLM: %d-byte blocks, events %s",
@@ -174,11 +166,6 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
     def on_request_finished(self, req_context: Any) -> None:
         """Nothing is kept per request (the converted context lives in vLLM's)."""
 
-    def on_schedule_end(self, context: Any) -> None:
-        """Forget promotion failures older than the backoff."""
-        if self._failed_loads:
-            self._expire_failed_loads(time.monotonic())
-
     def has_pending_work(self) -> bool:
         """True while any submitted job's result has not been collected yet."""
         return not self._shut_down and self._runtime.has_pending_work()
@@ -187,12 +174,6 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
 
     def lookup(self, key: OffloadKey, req_context: Any) -> Any:
         """HIT / MISS from the runtime's presence view; RETRY while in flight or being checked."""
-        if self._failed_loads:
-            failed_at = self._failed_loads.get(key)
-            if failed_at is not None:
-                if time.monotonic() - failed_at < self._failed_load_backoff_s:
-                    return LookupResult.MISS
-                del self._failed_loads[key]
         return translate.lookup_result(
             self._runtime.lookup(key, translate.request_context(req_context))
         )
@@ -205,7 +186,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         """Promotion: copy the keys' blocks into the job's primary chunks."""
         job = translate.job_metadata(job_metadata, is_promotion=True)
         self._runtime.submit_load(job)
-        self._loads[job.job_id] = job.keys
+        self._loads.add(job.job_id)
 
     def get_finished_jobs(self) -> Iterable[Any]:
         """vLLM ``JobResult`` s of the jobs finished since the last call (never blocks)."""
@@ -216,35 +197,10 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             return ()
         results = []
         for result in finished:
-            load_keys = self._loads.pop(result.job_id, None)
-            is_load = load_keys is not None
-            if load_keys is not None and not result.success:
-                self._note_failed_load(load_keys, result.successful_keys)
+            is_load = result.job_id in self._loads
+            self._loads.discard(result.job_id)
             results.append(translate.job_result(result, is_promotion=is_load))
         return results
-
-    def _note_failed_load(
-        self, keys: tuple[OffloadKey, ...], loaded: frozenset[OffloadKey] | None
-    ) -> None:
-        """The keys of a failed promotion that did not load answer MISS for a while.
-
-        Without this, a block whose read keeps failing (an I/O error the tier
-        cannot classify as missing or corrupt) would be HIT again at once,
-        promoted again and fail again every step: vLLM 0.33's manager relies on
-        its tiers to turn a failed promotion into a miss.
-        """
-        if self._failed_load_backoff_s <= 0:
-            return
-        now = time.monotonic()
-        for key in keys:
-            if loaded is None or key not in loaded:
-                self._failed_loads[key] = now
-
-    def _expire_failed_loads(self, now: float) -> None:
-        horizon = now - self._failed_load_backoff_s
-        expired = [k for k, t in self._failed_loads.items() if t < horizon]
-        for key in expired:
-            del self._failed_loads[key]
 
     def drain_jobs(self) -> None:
         """Block until every submitted job has finished; results stay queued for collection.
