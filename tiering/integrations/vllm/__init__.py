@@ -7,12 +7,17 @@ tiers in ``--kv-transfer-config`` with vLLM's ``TieringOffloadingSpec``::
                          "module_path": "tiering.integrations.vllm",
                          "root_dir": "/mnt/nvme/kv"}]
 
-Classes: :class:`KVTieringFileSystemTier`, :class:`KVTieringRedisTier`,
+For a whole engine, :class:`KVTieringOffloadingSpec` (``"spec_name":
+"KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"``)
+keeps vLLM's tiering manager and puts our copy engine on the worker side.
+
+Tier classes: :class:`KVTieringFileSystemTier`, :class:`KVTieringRedisTier`,
 :class:`KVTieringMemoryTier`, and :class:`KVTieringTier` for any other
 :class:`~tiering.tier.AsyncTier` (``"tier": "package.module:Class"``). See
 ``docs/vllm.md``.
 """
 
+from tiering.integrations.vllm.spec import CopyEngineOffloadingWorker, KVTieringOffloadingSpec
 from tiering.integrations.vllm.tiers import (
     MODULE_PATH,
     KVTieringFileSystemTier,
@@ -23,6 +28,8 @@ from tiering.integrations.vllm.tiers import (
 
 __all__ = [
     "MODULE_PATH",
+    "CopyEngineOffloadingWorker",
+    "KVTieringOffloadingSpec",
     "KVTieringFileSystemTier",
     "KVTieringMemoryTier",
     "KVTieringRedisTier",

@@ -1,0 +1,166 @@
+"""``KVTieringOffloadingSpec``: vLLM's tiered offloading with our copy engine and our tiers.
+
+Selected in ``kv_connector_extra_config`` with ``"spec_name":
+"KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"``.
+
+Scheduler side: vLLM's own ``TieringOffloadingManager`` (inherited from
+``TieringOffloadingSpec``): its CPU primary tier in a shared-memory region and
+the ``secondary_tiers`` list, in which our tiers are named through
+``module_path`` (:mod:`tiering.integrations.vllm.tiers`). Keeping vLLM's
+manager keeps everything the engine relies on around it (its metrics, KV
+events, ``reset_cache``, request-level policies, peer tiers) exactly as vLLM
+tests it, and puts our code where it adds to it: the tiers and the copies.
+
+Worker side: our copy engine (:mod:`tiering.copy`) over the same shared
+region, instead of vLLM's ``CPUOffloadingWorker``: the host engine on CPU
+platforms (where vLLM's own worker refuses to start), the CUDA engine (streams
+and events) when the KV cache lives on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Collection
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from tiering.copy import CopyWorker, make_copy_worker
+from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+
+logger = logging.getLogger("tiering.integrations.vllm")
+
+
+class CopyEngineOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM is untyped here
+    """vLLM's ``OffloadingWorker`` over our :class:`~tiering.copy.CopyWorker`.
+
+    Converts vLLM's spec objects to ours (same fields) and our results to
+    vLLM's ``TransferResult``. Owns the worker's mapping of the shared region
+    and releases it at :meth:`shutdown`.
+    """
+
+    def __init__(self, copy_worker: CopyWorker, region: Any) -> None:
+        self._copy = copy_worker
+        self._region = region
+        self._closed = False
+
+    @property
+    def copy_worker(self) -> CopyWorker:
+        return self._copy
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        """Engine KV blocks -> CPU tier chunks, asynchronously; False if rejected."""
+        return self._copy.submit_store(job_id, _gpu_spec(src_spec), _cpu_spec(dst_spec))
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        """CPU tier chunks -> engine KV blocks, asynchronously; False if rejected."""
+        return self._copy.submit_load(
+            job_id, _cpu_spec(src_spec), _gpu_spec(dst_spec), expedited=expedited
+        )
+
+    def get_finished(self) -> list[Any]:
+        """vLLM ``TransferResult`` s of the jobs finished since the last call."""
+        results = []
+        for result in self._copy.get_finished():
+            if not result.success:
+                logger.error("copy job %d failed: %s", result.job_id, result.error)
+            results.append(
+                TransferResult(
+                    job_id=result.job_id,
+                    success=result.success,
+                    transfer_size=result.transfer_bytes,
+                    transfer_time=result.transfer_time,
+                )
+            )
+        return results
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        """Block until these jobs finished (vLLM waits before reusing their blocks)."""
+        self._copy.wait(job_ids)
+
+    def shutdown(self) -> None:
+        """Wait for the copies in flight, stop the engine, unmap the region. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._copy.shutdown()
+        finally:
+            self._copy = None  # type: ignore[assignment]  # drop its views of the region
+            gc.collect()
+            self._region.cleanup()
+
+
+class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # vLLM is untyped
+    """vLLM's ``TieringOffloadingSpec`` whose worker side is our copy engine.
+
+    ``kv_connector_extra_config`` is the same as for vLLM's tiering spec
+    (``cpu_bytes_to_use``, ``block_size``, ``eviction_policy``,
+    ``secondary_tiers``...) plus ``copy_engine``: ``"auto"`` (default: CUDA
+    engine for CUDA KV tensors, host engine otherwise), ``"host"`` or
+    ``"cuda"``.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        engine = self.extra_config.get("copy_engine", "auto")
+        if engine not in ("auto", "host", "cuda"):
+            raise ValueError(f"copy_engine must be 'auto', 'host' or 'cuda', got {engine!r}")
+        self._copy_engine = engine
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        """Our worker on every platform (vLLM's refuses anything but CUDA and XPU)."""
+        worker: Any = getattr(self, "_worker", None)  # set by vLLM's CPUOffloadingSpec
+        if not worker:
+            worker = self._worker = self.create_worker(kv_caches)
+        return worker
+
+    def create_worker(self, kv_caches: Any) -> Any:
+        if self.config.canonical_layout:
+            raise NotImplementedError(
+                "KVTieringOffloadingSpec does not support canonical_layout yet; remove it "
+                "from kv_connector_extra_config"
+            )
+        rank = 0 if self.replicated_layout else self.config.parallel.rank
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            rows = region.create_kv_memoryview()  # (num_chunks, row) over the same memory
+            copy_worker = make_copy_worker(
+                kv_caches,
+                rows,
+                block_size_factor=self.blocks_per_chunk,
+                worker_index=rank,
+                engine=self._copy_engine,
+            )
+            del rows
+        except Exception:
+            gc.collect()
+            region.cleanup()
+            raise
+        logger.info(
+            "kv-tiering copy worker (%s engine) for rank %d: %d chunks of %d bytes",
+            type(copy_worker.engine).__name__,
+            rank,
+            self.num_chunks,
+            self.kv_bytes_per_chunk,
+        )
+        return CopyEngineOffloadingWorker(copy_worker, region)
+
+
+def _gpu_spec(spec: Any) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
+
+
+def _cpu_spec(spec: Any) -> CPULoadStoreSpec:
+    return CPULoadStoreSpec(spec.block_ids)
