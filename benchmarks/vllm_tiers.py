@@ -20,8 +20,10 @@ on_schedule_end, ... - each wrapped with a timer on the instance), per block
 moved and per step. vLLM's tier: ``"type": "fs"`` with its C fast path
 (``vllm.fs_io_C``) and O_DIRECT; ours: ``KVTieringFileSystemTier`` (slab
 files, O_DIRECT, checksums). Runs alternate between the tiers; medians over
-``--runs``. The disk and the machine are noisy and shared: compare the ratios
-of one run, not absolute figures across runs.
+``--runs``. Before each run, fio (io_uring, O_DIRECT, queue depth 32) measures
+the disk's ceiling for the block size in the same directory, so both tiers can
+be read against what the disk gives. The disk and the machine are noisy and
+shared: compare the ratios of one run, not absolute figures across runs.
 
 Targets (issue 9): ours >= 1.0x vLLM at 2 MiB and >= 3x at 64 KiB, store and
 load; no more scheduler-thread time per block than vLLM's tier.
@@ -36,6 +38,7 @@ import argparse
 import gc
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import statistics
@@ -414,6 +417,46 @@ def one_run(case: Case, tier: str, args: argparse.Namespace, run: int) -> dict[s
     return {"store": store, "load": load}
 
 
+def fio_ceiling(case: Case, args: argparse.Namespace) -> dict[str, float]:
+    """The disk's O_DIRECT ceiling for this block size (fio, io_uring, queue depth 32), GB/s.
+
+    Sequential writes then reads of the same volume in one preallocated file in
+    the same directory as the tiers' roots. Empty when fio is not installed.
+    """
+    if shutil.which("fio") is None:
+        return {}
+    directory = tempfile.mkdtemp(prefix="vllm-tiers-fio-", dir=args.root_parent)
+    path = os.path.join(directory, "ceiling")
+    figures: dict[str, float] = {}
+    try:
+        for phase, rw in (("store", "write"), ("load", "read")):
+            done = subprocess.run(
+                [
+                    "fio",
+                    "--name=ceiling",
+                    f"--filename={path}",
+                    f"--rw={rw}",
+                    f"--bs={case.block_bytes}",
+                    f"--size={case.total_bytes}",
+                    "--direct=1",
+                    "--ioengine=io_uring",
+                    "--iodepth=32",
+                    "--output-format=json",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if done.returncode != 0:
+                return {}
+            job = json.loads(done.stdout)["jobs"][0]
+            side = job[rw]
+            figures[phase] = side["io_bytes"] / (job["job_runtime"] / 1000) / 1e9
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return figures
+
+
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
@@ -439,9 +482,18 @@ def main() -> int:
         "machine shared and noisy: compare ratios"
     )
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    ceilings: dict[str, list[dict[str, float]]] = {}
     correct = True
     for case in cases(args):
         for run in range(args.runs):
+            ceiling = fio_ceiling(case, args)
+            ceilings.setdefault(case.name, []).append(ceiling)
+            if ceiling:
+                print(
+                    f"  [{case.name} fio run{run}] store {ceiling['store']:.2f} GB/s "
+                    f"load {ceiling['load']:.2f} GB/s (disk ceiling, O_DIRECT qd32)",
+                    flush=True,
+                )
             order = tiers if run % 2 == 0 else tiers[::-1]
             for tier in order:
                 r = one_run(case, tier, args, run)
@@ -491,6 +543,20 @@ def main() -> int:
             f"{ours['load'] / theirs['load']:>7.2f} "
             f"{ours['s_blk'] / theirs['s_blk']:>14.2f} / {ours['l_blk'] / theirs['l_blk']:<13.2f}"
             f"  >= {target:.1f}x GB/s, <= 1.0x time"
+        )
+    print()
+    print(f"{'case':<6} {'fio store':>9} {'fio load':>8}  {'of ceiling: vllm-fs / ours-fs':<34}")
+    for case in cases(args):
+        figs = [c for c in ceilings.get(case.name, []) if c]
+        theirs, ours = summary.get((case.name, "vllm-fs")), summary.get((case.name, "ours-fs"))
+        if not figs or not theirs or not ours:
+            continue
+        store_c = median([c["store"] for c in figs])
+        load_c = median([c["load"] for c in figs])
+        print(
+            f"{case.name:<6} {store_c:>9.2f} {load_c:>8.2f}  "
+            f"store {theirs['store'] / store_c:.0%} / {ours['store'] / store_c:.0%}, "
+            f"load {theirs['load'] / load_c:.0%} / {ours['load'] / load_c:.0%}"
         )
     print(f"# CORRECTNESS: {'PASS' if correct else 'FAIL'} (every block checked after promotion)")
     return 0 if correct else 1

@@ -440,6 +440,12 @@ def test_bad_config_fails_get_manager_with_a_clear_error(
     assert not {n for n in leaked if n.startswith("tier-")}
 
 
+def test_config_errors_name_the_tiers_position(make_manager: Any) -> None:
+    entries = [ours("KVTieringMemoryTier"), ours("KVTieringMemoryTier", capacity_blokcs=1)]
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\].*capacity_blokcs"):
+        make_manager(entries)
+
+
 def test_backpressure_detector_is_wired_and_fed(make_manager: Any) -> None:
     entry = ours(
         "KVTieringMemoryTier", backpressure={"backpressure_cls": "EMABackpressureDetector"}

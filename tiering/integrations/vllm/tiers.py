@@ -101,6 +101,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             raise ConfigError(
                 f"{where}: locality must be 'LOCAL' or 'REMOTE', got {locality!r}"
             ) from None
+        position = _position_in_spec(offloading_spec, tier_type, options)
         self._events_enabled = self._events_wanted(bool(enable_kv_events), where)
         if not self._events_enabled:
             options["max_events"] = 0  # nobody takes them: do not keep any
@@ -109,12 +110,12 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         # failing must turn into a MISS, or it would be retried every step.
         options["failed_load_backoff_s"] = failed_load_backoff_s
         config: dict[str, Any] = {"type": our_type, **options}
-        config.setdefault("name", f"vllm-{tier_type}")
+        config.setdefault("name", f"vllm-{tier_type}-{position}")
         block_bytes = self.block_size_bytes
         self._runtime: AsyncTierManager = create_secondary_tier(
             config,
             primary_kv_view,
-            position=_position_in_spec(offloading_spec, tier_type, options),
+            position=position,
             layout_fingerprint=translate.layout_fingerprint(offloading_spec, block_bytes),
         )
         self._loads: set[int] = set()  # job ids of the promotions in flight
@@ -314,6 +315,6 @@ def _position_in_spec(offloading_spec: Any, tier_type: str, options: Mapping[str
     for position, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or entry.get("type") != tier_type:
             continue
-        if all(entry.get(k) == v for k, v in options.items() if k != "max_events"):
+        if all(entry.get(k) == v for k, v in options.items()):
             return position
     return 0
