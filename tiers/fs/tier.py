@@ -371,7 +371,10 @@ class FileSystemTier(AsyncTier):
         return [key in index for key in keys]
 
     async def list_keys(self) -> Iterable[OffloadKey]:
-        """Every visible key (after :meth:`open`: the blocks recovered from disk)."""
+        """Every visible key (after :meth:`open`: the blocks recovered from disk).
+
+        Cancellation: no side effects.
+        """
         return self._state().index.keys()
 
     async def touch(self, keys: Sequence[OffloadKey]) -> None:
