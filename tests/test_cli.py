@@ -250,11 +250,13 @@ def test_replay_of_a_trace_file_as_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_replay_exits_non_zero_when_a_loaded_block_is_wrong() -> None:
+    # The runtime's own verification is off, so the corrupted bytes reach the replay's check.
     done = _run_module(
         "replay",
         *SMALL,
         "--tier",
-        '{"type": "tests.replay_faults:CorruptingMemoryTier", "corrupt_rate": 1.0}',
+        '{"type": "tests.replay_faults:CorruptingMemoryTier", "corrupt_rate": 1.0,'
+        ' "verify": false}',
     )
     assert done.returncode == 1, done.stderr
     assert "DATA MISMATCH" in done.stdout

@@ -273,11 +273,6 @@ def test_failed_promotion_frees_the_row_and_backs_off() -> None:
         assert tiers[0].loads == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the async runtime does not yet verify loaded bytes against a checksum taken at "
-    "store time (DESIGN rule 4); tiers that checksum themselves (fs, redis) are covered",
-)
 def test_silently_corrupted_promotion_is_never_a_hit() -> None:
     faulty = FaultyTier(MemoryTier(), FaultPlan(), seed=5)
     manager, primary, _ = build(num_blocks=4, tiers=(faulty,))

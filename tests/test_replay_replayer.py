@@ -106,19 +106,37 @@ def test_a_gpu_cache_serves_reuse_before_the_tiers() -> None:
     assert with_gpu.blocks_loaded < without_gpu.blocks_loaded
 
 
-def test_silently_corrupted_promotions_are_caught_and_never_counted_as_hits() -> None:
+CORRUPTING = "tests.replay_faults:CorruptingMemoryTier"
+
+
+def test_silently_corrupted_promotions_are_failed_by_the_runtime_and_become_misses() -> None:
     requests = SyntheticWorkload(num_requests=150, seed=4).generate()
     config = {
         "cpu_bytes_to_use": 32 * BLOCK,
-        "secondary_tiers": [
-            {"type": "tests.replay_faults:CorruptingMemoryTier", "corrupt_rate": 1.0}
-        ],
+        "secondary_tiers": [{"type": CORRUPTING, "corrupt_rate": 1.0}],
+    }
+    totals, stack = replay(config, requests)
+    # The runtime's store-time checksum fails every corrupted load before the bytes count:
+    # the replay never sees a wrong block, and the tier's promotions are failures.
+    check_accounting(totals, requests)
+    assert stack.stats().tier(CORRUPTING).failures > 0
+    assert totals.hits[CORRUPTING].blocks == 0
+    assert hit_tokens(totals) < unlimited_hit_rate(requests).hit_tokens
+
+
+def test_the_replay_catches_corruption_that_reaches_the_primary_tier() -> None:
+    # With the runtime's verification off, corrupted bytes land in the primary tier: the
+    # replay's own byte-for-byte check is then the last line and must catch them.
+    requests = SyntheticWorkload(num_requests=150, seed=4).generate()
+    config = {
+        "cpu_bytes_to_use": 32 * BLOCK,
+        "secondary_tiers": [{"type": CORRUPTING, "corrupt_rate": 1.0, "verify": False}],
     }
     totals, _ = replay(config, requests)
     assert totals.mismatches > 0
-    assert totals.mismatch_examples[0].source == "tests.replay_faults:CorruptingMemoryTier"
+    assert totals.mismatch_examples[0].source == CORRUPTING
     # A corrupt block (and what follows it in the prefix) is a miss, not a hit.
-    assert totals.hits["tests.replay_faults:CorruptingMemoryTier"].blocks == 0
+    assert totals.hits[CORRUPTING].blocks == 0
     assert hit_tokens(totals) < unlimited_hit_rate(requests).hit_tokens
 
 

@@ -7,11 +7,14 @@ unreachable, timed out, refused.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from typing import Any, TypeAlias
+from urllib.parse import urlsplit
 
 import redis.exceptions as rexc
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster, SSLConnection
+from redis.asyncio.connection import RedisSSLContext
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -86,6 +89,48 @@ def tls_failure(exc: BaseException) -> ssl.SSLError | None:
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__
+    return None
+
+
+async def diagnose_tls_refusal(config: RedisTierConfig, timeout_s: float) -> ssl.SSLError | None:
+    """The TLS alert the server sends a client like ours, if it refuses us; None otherwise.
+
+    With TLS 1.3 a server that requires a client certificate rejects a client
+    without one only after the handshake: redis-py has already written its
+    first command, so the server's close arrives as a bare connection reset
+    and looks like an outage. This opens one connection with the same TLS
+    settings, completes the handshake and only listens: the server's alert
+    (``certificate required``, ``unknown ca``, ...) then arrives intact. A
+    server that accepts us stays silent until ``timeout_s`` (None), as does
+    one that cannot be reached at all (None).
+    """
+    parts = urlsplit(config.url)
+    tls = config.tls_kwargs()
+    context = RedisSSLContext(
+        keyfile=tls.get("ssl_keyfile"),
+        certfile=tls.get("ssl_certfile"),
+        cert_reqs=tls.get("ssl_cert_reqs"),
+        ca_certs=tls.get("ssl_ca_certs"),
+        ca_data=tls.get("ssl_ca_data"),
+        ca_path=tls.get("ssl_ca_path"),
+        check_hostname=bool(tls.get("ssl_check_hostname")),
+        min_version=tls.get("ssl_min_version"),
+        ciphers=tls.get("ssl_ciphers"),
+        password=tls.get("ssl_password"),
+    ).get()
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(
+                parts.hostname or "localhost", parts.port or 6379, ssl=context
+            )
+            try:
+                await reader.read(1)
+            finally:
+                writer.close()
+    except ssl.SSLError as exc:
+        return exc
+    except (OSError, TimeoutError):
+        return None
     return None
 
 

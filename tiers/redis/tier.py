@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ from tiers.redis.config import RedisTierConfig
 from tiers.redis.connection import (
     RedisClient,
     build_client,
+    diagnose_tls_refusal,
     is_credentials_error,
     is_unreachable,
     tls_failure,
@@ -110,17 +112,21 @@ class RedisTier(AsyncTier):
             async with asyncio.timeout(self._round_trip_budget_s):
                 await self._client.ping()
         except BaseException as exc:
+            if not isinstance(exc, Exception):
+                await self.aclose()
+                raise
+            tls_error = tls_failure(exc)
+            if tls_error is None and self.config.uses_tls and is_unreachable(exc):
+                # A TLS refusal after the handshake reads as a reset: ask the server why.
+                tls_error = await diagnose_tls_refusal(self.config, self.config.connect_timeout_s)
             degrade = (
-                isinstance(exc, Exception)
-                and self.config.on_start_unreachable == "degrade"
+                self.config.on_start_unreachable == "degrade"
                 and is_unreachable(exc)
-                and tls_failure(exc) is None
+                and tls_error is None
             )
             if not degrade:
                 await self.aclose()
-                if not isinstance(exc, Exception):
-                    raise
-                raise self._open_error(exc) from exc
+                raise self._open_error(exc, tls_error) from exc
             self._note_unreachable(log=False)
             logger.warning(
                 "%s: Redis at %s is unreachable at start (%s); the tier reports misses "
@@ -138,13 +144,12 @@ class RedisTier(AsyncTier):
             self.config.namespace,
         )
 
-    def _open_error(self, exc: Exception) -> Exception:
+    def _open_error(self, exc: Exception, tls_error: ssl.SSLError | None) -> Exception:
         where = f"redis tier {self.context.name!r}: cannot use {self.config.safe_url()}"
         if is_credentials_error(exc):
             return RedisTierCommandError(
                 f"{where}: the server rejected the credentials ({exc}); check username/password"
             )
-        tls_error = tls_failure(exc)
         if tls_error is not None:
             return RedisTierCommandError(
                 f"{where}: the TLS handshake failed ({tls_error}); check ssl_ca_certs, "
