@@ -24,7 +24,7 @@ under $TMPDIR):
 * **GIL**: batches/s of a pure-Python loop (heap and dict work, like a
   scheduler) on another thread, alone and while the tier stores and loads flat
   out;
-* **vLLM**: where ``/tmp/vllmenv`` (the vLLM 0.33 harness env) exists, vLLM's
+* **vLLM**: in the environment ``scripts/vllm_env.sh`` builds (or reuses), vLLM's
   own filesystem tier on the same workload through its harness
   (``drive_fs_tier.py --json`` in a subprocess), and the ratios ours/vLLM.
 
@@ -66,7 +66,7 @@ from tiers.fs import FileSystemTier
 
 MiB = 1024 * 1024
 KiB = 1024
-VLLM_PYTHON = Path("/tmp/vllmenv/bin/python")
+VLLM_ENV_BUILDER = Path(__file__).resolve().parents[1] / "scripts" / "vllm_env.sh"
 VLLM_DRIVER = Path(__file__).resolve().parents[2] / "shared" / "vllm-harness" / "drive_fs_tier.py"
 CASES = {"2MiB": 2 * MiB, "64KiB": 64 * KiB}
 TARGET_RAW = {"2MiB": 0.85, "64KiB": 0.70}
@@ -426,11 +426,17 @@ def bench_case(name: str, block: int, args: argparse.Namespace, scratch: Path) -
 
 def run_vllm(args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, float]] | None:
     """vLLM 0.33's FileSystemTierManager on the same workload (None where unavailable)."""
-    if args.skip_vllm or not VLLM_PYTHON.exists() or not VLLM_DRIVER.exists():
+    if args.skip_vllm or not VLLM_DRIVER.exists():
+        return None
+    built = subprocess.run(
+        ["bash", str(VLLM_ENV_BUILDER)], stdout=subprocess.PIPE, text=True, check=False
+    )
+    if built.returncode != 0:
+        print("# scripts/vllm_env.sh failed; vLLM's tier not measured", flush=True)
         return None
     out_json = scratch / "vllm.json"
     cmd = [
-        str(VLLM_PYTHON),
+        built.stdout.strip().splitlines()[-1],
         str(VLLM_DRIVER),
         "--quiet",
         "--cases",

@@ -37,6 +37,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 OURS = "tiering.integrations.vllm"
+SHIM = REPO.parent / "shared" / "vllm-engine" / "cpu_platform_offload_shim.py"
 BLOCK_SIZE, ENGINE_BLOCKS, CPU_CHUNKS, WORDS = 32, 96, 48, 1000
 
 
@@ -56,21 +57,20 @@ def config(name: str, model: str, root: Path) -> dict[str, Any] | None:
 
     if name == "off":
         return None
-    tier: dict[str, Any]
-    if name == "ours-cpu":  # the CPU tier alone: the connector's and our copies' own cost
-        tiers: list[dict[str, Any]] = []
+    spec_name, spec_module = "KVTieringOffloadingSpec", OURS
+    tiers: list[dict[str, Any]] = []  # ours-cpu: the connector's and our copies' own cost
+    if name == "shim-cpu":  # vLLM's stock spec with the reference synchronous copy
+        spec_name, spec_module = "CPUPlatformTieringSpec", "cpu_platform_offload_shim"
     elif name == "ours-fs":
-        tier = {"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(root)}
-    else:
-        tier = {"type": "fs", "root_dir": str(root)}
-    if name != "ours-cpu":
-        tiers = [tier]
+        tiers = [{"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(root)}]
+    elif name == "vllm-fs":
+        tiers = [{"type": "fs", "root_dir": str(root)}]
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "spec_name": "KVTieringOffloadingSpec",
-            "spec_module_path": OURS,
+            "spec_name": spec_name,
+            "spec_module_path": spec_module,
             "cpu_bytes_to_use": kv_bytes_per_block(model, BLOCK_SIZE) * CPU_CHUNKS,
             "block_size": BLOCK_SIZE,
             "secondary_tiers": tiers,
@@ -98,7 +98,7 @@ def run(work: Path, name: str, index: int, model: str) -> dict[str, Any]:
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(SHIM.parent)])},
         )
     if done.returncode != 0:
         sys.exit(f"engine run {name} failed; see {log}")
@@ -118,6 +118,8 @@ def main() -> int:
     from tests.vllm_engine.tiny_model import build
 
     names = ["off", "ours-cpu", "ours-fs", "vllm-fs"]
+    if SHIM.exists():  # the reference copy from shared/vllm-engine, where present
+        names.insert(1, "shim-cpu")
     rows: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="vllm-engine-bench-") as tmp:
         work = Path(tmp)
@@ -156,6 +158,12 @@ def main() -> int:
         f"step time ours/off = {ours['step_ms'] / off['step_ms']:.3f} (target <= 1.05), "
         f"vLLM fs/off = {theirs['step_ms'] / off['step_ms']:.3f}, "
         f"CPU tier only/off = {med['ours-cpu']['step_ms'] / off['step_ms']:.3f}"
+        + (
+            f", vLLM's reference copy (CPU tier only)/off = "
+            f"{med['shim-cpu']['step_ms'] / off['step_ms']:.3f}"
+            if "shim-cpu" in med
+            else ""
+        )
     )
     return 0
 

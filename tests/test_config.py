@@ -361,20 +361,28 @@ def test_unknown_tier_type_fails_at_construction() -> None:
         )
 
 
-def test_bad_tier_option_leaves_nothing_behind(no_new_threads: None) -> None:
+def test_a_misspelled_or_missing_tier_option_fails_at_construction(no_new_threads: None) -> None:
+    tiers = [{"type": "memory"}, {"type": "memory"}, {"type": "memory", "capacity_blok": 3}]
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[2\].*unknown option 'capacity_blok'"):
+        TieringOffloadingSpec({**BASE, "secondary_tiers": tiers}, block_bytes=4096)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*missing required option"):
+        TieringOffloadingSpec({**BASE, "secondary_tiers": [{"type": "fs"}]}, block_bytes=4096)
+
+
+def test_bad_tier_option_value_leaves_nothing_behind(no_new_threads: None) -> None:
     spec = TieringOffloadingSpec(
         {
             **BASE,
             "secondary_tiers": [
                 {"type": "memory"},
                 {"type": "memory"},
-                {"type": "memory", "capacity_blok": 3},
+                {"type": "memory", "capacity_blocks": -3},
             ],
         },
         block_bytes=4096,
         metrics_registry=False,
     )
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[2\].*unknown option 'capacity_blok'"):
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[2\].*capacity_blocks"):
         spec.get_manager()
 
 

@@ -406,6 +406,20 @@ def test_submit_raises_contract_errors_with_the_job_id(rigs: list[Rig]) -> None:
     assert not rig.worker.load_handler.transfer_async(6, (GPULoadStoreSpec([1]),))  # type: ignore[arg-type]
 
 
+def test_an_engine_error_at_submission_is_a_rejected_job_not_a_crash(rigs: list[Rig]) -> None:
+    # A CUDA engine can raise RuntimeError while setting up streams and events.
+    rig = build_rig([1024], [[(0, 1024)]])
+    rigs.append(rig)
+
+    def broken_submit(plan: object) -> object:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    rig.worker.engine.submit = broken_submit  # type: ignore[assignment,method-assign]
+    handler = rig.worker.store_handler
+    assert not handler.transfer_async(8, (GPULoadStoreSpec([1]), CPULoadStoreSpec([0])))
+    assert rig.worker.num_in_flight == 0 and rig.worker.get_finished() == []
+
+
 def test_a_job_id_in_flight_cannot_be_reused_by_any_direction(rigs: list[Rig]) -> None:
     rig = build_rig([1024], [[(0, 1024)]])
     rigs.append(rig)

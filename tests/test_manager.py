@@ -35,8 +35,6 @@ from tiering.primary import CPUPrimaryTier
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiers.memory import MemoryTier
 
-prometheus_client = pytest.importorskip("prometheus_client")
-
 
 class FakeClock:
     def __init__(self) -> None:
@@ -473,7 +471,7 @@ def test_stats_are_immutable_snapshots() -> None:
 
 
 def test_prometheus_metrics_follow_the_stats() -> None:
-    registry = prometheus_client.CollectorRegistry()
+    registry = pytest.importorskip("prometheus_client").CollectorRegistry()
     manager, _, _ = build(tiers=("memory",), metrics_registry=registry, name="t1")
     labels = {"manager": "t1", "tier": "memory", "medium": "memory"}
     with manager:
@@ -487,7 +485,7 @@ def test_prometheus_metrics_follow_the_stats() -> None:
 
 
 def test_metrics_go_to_the_default_registry_with_unique_names() -> None:
-    registry = prometheus_client.REGISTRY
+    registry = pytest.importorskip("prometheus_client").REGISTRY
     one, _, _ = build(tiers=("memory",), metrics_registry=None, name="default-reg")
     two, _, _ = build(tiers=("memory",), metrics_registry=None, name="default-reg")
     with one, two:
@@ -513,7 +511,7 @@ def test_metrics_go_to_the_default_registry_with_unique_names() -> None:
 
 
 def test_metrics_names_are_unique_per_registry() -> None:
-    registry = prometheus_client.CollectorRegistry()
+    registry = pytest.importorskip("prometheus_client").CollectorRegistry()
     one, _, _ = build(tiers=(), metrics_registry=registry, name="same")
     two, _, _ = build(tiers=(), metrics_registry=registry, name="same")
     with one, two:

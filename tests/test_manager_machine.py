@@ -45,10 +45,12 @@ FAULT_PLANS = {
     "clean": FaultPlan(),
     "read-errors": FaultPlan(error_rate=0.5, ops={"read"}),
     "write-errors": FaultPlan(error_rate=0.5, ops={"write"}),
-    # Damage the tier itself detects (as checksumming tiers do). Silent damage needs
-    # end-to-end verification in the runtime: see test_manager.py's xfail.
+    # Damage the tier itself detects (as checksumming tiers do) ...
     "detected-corruption": FaultPlan(corrupt_rate=0.5, ops={"read"}, detect=True),
     "detected-short-reads": FaultPlan(short_read_rate=0.5, ops={"read"}, detect=True),
+    # ... and damage it does not: the runtime's store-time checksum must catch it.
+    "silent-corruption": FaultPlan(corrupt_rate=0.5, ops={"read"}, detect=False),
+    "silent-short-reads": FaultPlan(short_read_rate=0.5, ops={"read"}, detect=False),
     "slow": FaultPlan(delay_rate=0.5, delay_s=(0.0, 0.003)),
 }
 

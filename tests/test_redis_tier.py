@@ -256,6 +256,16 @@ async def test_namespaces_and_block_sizes_never_collide(redis_server: RedisServe
         await beta.write(keys[0], memoryview(other))
         assert await read_back(alpha, keys[0]) == blocks[0]
         assert await read_back(beta, keys[0]) == other
+        # The same namespace and fingerprint with another block size: its own keys, so
+        # neither tier sees the other's blocks, nor drops them as corrupt.
+        wide_block = bytearray(b"w" * 2 * BLOCK_BYTES)
+        await wide.write(keys[1], memoryview(wide_block))
+        wide_out = bytearray(2 * BLOCK_BYTES)
+        await wide.read(keys[1], memoryview(wide_out))
+        assert wide_out == wide_block
+        assert await read_back(alpha, keys[1]) == blocks[1]
+        assert await alpha.contains_many(keys) == [True] * 3
+        assert alpha.stats.corrupt_blocks == 0 and wide.stats.corrupt_blocks == 0
 
 
 # -- shared contents ---------------------------------------------------------------------------

@@ -77,6 +77,24 @@ def test_a_malformed_line_names_its_number_and_problem(
     assert f"{path} line 3: " in str(error)
 
 
+def test_bytes_that_are_not_utf8_name_their_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes((GOOD + "\n" + GOOD).encode() + b'\n{"timestamp": \xff}\n')
+    with pytest.raises(TraceError, match=r"line 3: not UTF-8 text \(byte 15 of the line\)"):
+        read_trace(path)
+
+
+def test_a_corrupt_gzip_trace_is_a_trace_error(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl.gz"
+    whole = gzip.compress(("\n".join([GOOD] * 2000) + "\n").encode())
+    path.write_bytes(whole[: len(whole) // 2])  # cut short: the stream ends mid-member
+    with pytest.raises(TraceError, match="corrupt gzip data"):
+        read_trace(path)
+    path.write_bytes(b"not gzip at all")
+    with pytest.raises(TraceError, match=r"line 1: corrupt gzip data"):
+        read_trace(path)
+
+
 def test_the_error_comes_when_the_bad_line_is_reached(tmp_path: Path) -> None:
     path = _write(tmp_path, [GOOD, "not json"])
     lines = iter_trace(path)

@@ -564,6 +564,13 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     outputs = {ext: Path(f"{args.out}.{ext}") for ext in ("png", "csv", "json")}
     for path in outputs.values():
         check_writable(path, "--out")
+    try:  # the plot is written last: find out now, not after the whole sweep
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(
+            "tiering sweep writes a PNG plot with matplotlib, which is not installed: "
+            "pip install 'kv-tiering[plot]'"
+        ) from None
     out, err = consoles()
     with logging_to(err, args.verbose):
         workload = load_workload(args)

@@ -627,6 +627,9 @@ class TieringOffloadingManager(OffloadingManager):
         """Reserve primary rows for a batch: ``{key: row}`` for the keys that got one."""
         primary = self._primary
         if primary.num_free() < len(keys):
+            # An eviction decision: first collect finished jobs, whose cascade pins may be
+            # all that keeps rows from being evictable.
+            self._poll()
             self._protect_step_hits()
         output = primary.prepare_store(keys, req_context)
         if output is not None:

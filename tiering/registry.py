@@ -177,19 +177,15 @@ def tier_options(tier_class: type[AsyncTier]) -> tuple[list[str], list[str], boo
     return accepted, required, takes_any
 
 
-def create_secondary_tier(
-    config: Mapping[str, Any],
-    primary_kv_view: memoryview,
-    *,
-    position: int,
-    layout_fingerprint: str = "",
-) -> AsyncTierManager:
-    """Build the tier ``config`` describes and run it behind an :class:`AsyncTierManager`.
+def check_tier_config(
+    config: Mapping[str, Any], *, position: int
+) -> tuple[type[AsyncTier], dict[str, Any], str]:
+    """Check a ``secondary_tiers`` entry without building anything.
 
-    ``position`` is the entry's index in ``secondary_tiers`` (for messages).
-    Configuration mistakes raise :class:`~tiering.errors.ConfigError` naming
-    the position, the type and the offending key, before anything is
-    started; an error opening the tier propagates as the tier raised it.
+    Resolves the type and checks the option names against the tier class's
+    constructor (unknown options, missing required ones). Returns the class,
+    the tier's own options and the entry's description for messages. Values
+    are checked by the class itself when it is constructed.
     """
     where = f"secondary_tiers[{position}]"
     if not isinstance(config, Mapping):
@@ -215,6 +211,25 @@ def create_secondary_tier(
     for key in required:
         if key not in options:
             raise ConfigError(f"{where}: missing required option {key!r} of {tier_class.__name__}")
+    return tier_class, options, where
+
+
+def create_secondary_tier(
+    config: Mapping[str, Any],
+    primary_kv_view: memoryview,
+    *,
+    position: int,
+    layout_fingerprint: str = "",
+) -> AsyncTierManager:
+    """Build the tier ``config`` describes and run it behind an :class:`AsyncTierManager`.
+
+    ``position`` is the entry's index in ``secondary_tiers`` (for messages).
+    Configuration mistakes raise :class:`~tiering.errors.ConfigError` naming
+    the position, the type and the offending key, before anything is
+    started; an error opening the tier propagates as the tier raised it.
+    """
+    tier_class, options, where = check_tier_config(config, position=position)
+    type_name = config["type"]
     try:
         tier = tier_class(**options)
     except ConfigError as exc:
@@ -242,6 +257,7 @@ __all__ = [
     "BUILTIN_TIERS",
     "ENTRY_POINT_GROUP",
     "FRAMEWORK_KEYS",
+    "check_tier_config",
     "create_secondary_tier",
     "known_tier_types",
     "register_tier_type",

@@ -14,11 +14,14 @@ block, from the config) derives the block bytes as vLLM does::
     )
     manager = spec.get_manager()     # built once; spec.shutdown() shuts it down
 
-Every configuration error is raised by the constructor (a
-:class:`~tiering.errors.ConfigError` naming the key), before any memory is
+The constructor checks every key of the stack and, for each tier entry, its
+type and option names (unknown or missing options), raising a
+:class:`~tiering.errors.ConfigError` naming the key before any memory is
 allocated or any tier is started. ``get_manager`` then builds the CPU primary
-tier, each secondary tier in order, and the manager; if anything fails, what
-was already built is shut down again before the error propagates.
+tier, each secondary tier in order (a tier's option values are checked by its
+class there, with the tier's position and type in the error), and the
+manager; if anything fails, what was already built is shut down again before
+the error propagates: nothing is left half-built.
 """
 
 from __future__ import annotations
@@ -228,15 +231,11 @@ def _geometry(
 
 
 def _check_tier_types(config: TieringConfig) -> None:
-    """Resolve every tier's type now, so an unknown one fails before anything is built."""
-    from tiering.registry import resolve_tier_class
+    """Resolve every tier's type and check its option names now, before anything is built."""
+    from tiering.registry import check_tier_config
 
     for position, tier_config in enumerate(config.secondary_tiers):
-        type_name = tier_config["type"]
-        try:
-            resolve_tier_class(type_name, tier_config.get("module_path"))
-        except ConfigError as exc:
-            raise ConfigError(f"secondary_tiers[{position}] (type {type_name!r}): {exc}") from exc
+        check_tier_config(tier_config, position=position)
 
 
 def _shut_down_partial(tiers: list[SecondaryTierManager], primary: Any) -> None:

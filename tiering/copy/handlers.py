@@ -161,6 +161,9 @@ class TransferHandler(OffloadingHandler):
         except (TieringError, ValueError, TypeError) as exc:
             logger.warning("rejected %s job %r: %s", self.lane.value, job_id, exc)
             return False
+        except Exception:  # e.g. a CUDA error setting up the streams: a failed job, not a crash
+            logger.exception("%s job %r failed at submission", self.lane.value, job_id)
+            return False
         return True
 
     def get_finished(self) -> list[TransferResult]:

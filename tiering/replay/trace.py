@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import math
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,34 +113,48 @@ def parse_request(record: object, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> R
     return Request(float(timestamp), input_length, output_length, tuple(raw_ids))
 
 
-def _open_text(path: Path) -> IO[str]:
+def _open_binary(path: Path) -> io.BufferedIOBase:
     if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return path.open(encoding="utf-8")
+        return gzip.GzipFile(path, "rb")
+    return path.open("rb")
 
 
 def iter_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Iterator[Request]:
     """Yield the requests of a Mooncake JSONL trace (optionally gzipped), in file order.
 
-    Blank lines are skipped. A malformed line raises :class:`TraceError` naming the
+    Blank lines are skipped. A malformed line (bad JSON, bad fields, bytes that are
+    not UTF-8) or a corrupt gzip stream raises :class:`TraceError` naming the
     file, the line number and what is wrong.
     """
     path = Path(path)
     source = str(path)
-    with _open_text(path) as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(
-                    source, line_number, f"invalid JSON ({exc.msg} at column {exc.colno})"
-                ) from None
-            try:
-                yield parse_request(record, block_tokens)
-            except ValueError as exc:
-                raise TraceError(source, line_number, str(exc)) from None
+    line_number = 0
+    with _open_binary(path) as lines:
+        try:
+            # Lines are decoded one by one so an encoding error can name its line.
+            for line_number, raw in enumerate(lines, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise TraceError(
+                        source, line_number, f"not UTF-8 text (byte {exc.start + 1} of the line)"
+                    ) from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(
+                        source, line_number, f"invalid JSON ({exc.msg} at column {exc.colno})"
+                    ) from None
+                try:
+                    yield parse_request(record, block_tokens)
+                except ValueError as exc:
+                    raise TraceError(source, line_number, str(exc)) from None
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise TraceError(
+                source, line_number + 1, f"corrupt gzip data ({exc or type(exc).__name__})"
+            ) from None
 
 
 def read_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[Request]:

@@ -249,7 +249,9 @@ class TierService:
         finally:
             if job.timer is not None:
                 job.timer.cancel()
-            self._jobs.pop(job.meta.job_id, None)
+            # An abandoned job's id may already belong to a newer job: remove only our own.
+            if self._jobs.get(job.meta.job_id) is job:
+                del self._jobs[job.meta.job_id]
         self._publish(job, result)
 
     def _expire(self, job: _Job) -> None:

@@ -2,7 +2,7 @@
 
 One Redis string per block::
 
-    <namespace>:v1:<fingerprint hash, 16 hex>:{<offload key, hex>}
+    <namespace>:v1:<layout hash, 16 hex>:{<offload key, hex>}
 
 holding a 40-byte header followed by the block's bytes. The header (little
 endian) is::
@@ -11,7 +11,7 @@ endian) is::
     version      u8  FORMAT_VERSION
     flags        u8  0 (reserved)
     header_len   u16 HEADER_LEN
-    fingerprint  u64 xxh3_64 of the layout fingerprint
+    fingerprint  u64 the layout hash: xxh3_64 of the layout fingerprint and block size
     key_hash     u64 xxh3_64 of the offload key
     payload_len  u64 number of block bytes that follow
     checksum     u64 xxh3_64 of those bytes
@@ -43,9 +43,15 @@ HEADER_LEN = _HEADER.size
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._/\-]{1,128}")
 
 
-def fingerprint_hash(layout_fingerprint: str) -> int:
-    """The 64-bit hash of a layout fingerprint that keys and headers carry."""
-    return xxhash.xxh3_64_intdigest(layout_fingerprint.encode())
+def layout_hash(layout_fingerprint: str, block_bytes: int) -> int:
+    """The 64-bit hash of a layout that keys and headers carry.
+
+    It covers the block size as well as the user's fingerprint, so tiers with
+    different block sizes never share key names even under the same (or an
+    empty) fingerprint: neither can find, nor delete as corrupt, the other's
+    blocks.
+    """
+    return xxhash.xxh3_64_intdigest(b"%s\0%d" % (layout_fingerprint.encode(), block_bytes))
 
 
 class BlockLayout:
@@ -62,7 +68,7 @@ class BlockLayout:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.block_bytes = block_bytes
         self.value_len = HEADER_LEN + block_bytes
-        self.fingerprint = fingerprint_hash(layout_fingerprint)
+        self.fingerprint = layout_hash(layout_fingerprint, block_bytes)
         self.prefix = f"{namespace}:v{FORMAT_VERSION}:{self.fingerprint:016x}:".encode()
 
     def redis_key(self, key: OffloadKey) -> bytes:
