@@ -384,6 +384,8 @@ def test_constructor_rejects_bad_views_and_options() -> None:
         AsyncTierManager(MemoryTier(), memoryview(bytearray(8192)), "m", block_bytes=3000)
     with pytest.raises(ConfigError, match="job_timeout_s"):
         AsyncTierManager(MemoryTier(), primary().data, "m", job_timeout_s=0)
+    with pytest.raises(ConfigError, match="verify must be true, false or null, got 'false'"):
+        AsyncTierManager(MemoryTier(), primary().data, "m", verify="false")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="AsyncTier"):
         AsyncTierManager(object(), primary().data, "m")  # type: ignore[arg-type]
 

@@ -67,7 +67,8 @@ class AsyncTierManager(SecondaryTierManager):
     ``block_bytes`` given. ``job_timeout_s`` is every job's deadline from its
     submission; ``shutdown_timeout_s`` bounds :meth:`shutdown`;
     ``cancel_grace_s`` is how long a job's tier operation may ignore
-    cancellation before the job is reported failed anyway;
+    cancellation before it is logged and counted as abandoned (the job is
+    reported failed only once the operation ends: its rows are in use);
     ``shared_absent_ttl_s`` is how long a shared tier's "absent" answer is
     trusted; ``max_events`` bounds events waiting for :meth:`take_events`
     (more are counted in ``stats().events_dropped``). ``verify`` (default:
@@ -121,6 +122,8 @@ class AsyncTierManager(SecondaryTierManager):
                 "failed_load_backoff_s must be a number of seconds >= 0, got "
                 f"{failed_load_backoff_s!r}"
             )
+        if verify is not None and not isinstance(verify, bool):
+            raise ConfigError(f"verify must be true, false or null, got {verify!r}")
         if not isinstance(max_events, int) or max_events < 0:
             raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
         self.name = name or tier_type
@@ -149,7 +152,7 @@ class AsyncTierManager(SecondaryTierManager):
             cancel_grace_s=float(cancel_grace_s),
             shared_absent_ttl_s=float(shared_absent_ttl_s),
             max_events=max_events,
-            verify=not tier.verifies_reads if verify is None else bool(verify),
+            verify=not tier.verifies_reads if verify is None else verify,
         )
         self._mailbox = Mailbox(self._thread.loop)
         context = TierContext(self.block_bytes, layout_fingerprint, self.name)

@@ -30,7 +30,6 @@ Rules it enforces for every tier:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -67,6 +66,7 @@ class _Job:
     task: asyncio.Task[None] | None = None
     timer: asyncio.TimerHandle | None = None
     expired: bool = False
+    abandoned: bool = False  # its operation ignored cancellation past cancel_grace_s
     published: bool = False
     done_keys: int = 0
 
@@ -234,11 +234,11 @@ class TierService:
                 result = await self._store(job)
         except asyncio.CancelledError:
             if job.expired:
-                if not job.published:  # else _abandon already counted and reported it
-                    self.counters.timeouts += 1
+                self.counters.timeouts += 1
+                stubborn = " and the tier ignored cancellation" if job.abandoned else ""
                 result = self._failure(
                     job,
-                    f"missed its deadline of {self.job_timeout_s:g} s "
+                    f"missed its deadline of {self.job_timeout_s:g} s{stubborn} "
                     f"({job.done_keys} of {len(job.meta.keys)} blocks done)",
                 )
             else:
@@ -264,24 +264,24 @@ class TierService:
         job.timer = self._loop.call_later(self.cancel_grace_s, self._abandon, job)
 
     def _abandon(self, job: _Job) -> None:
+        """The tier ignored cancellation for ``cancel_grace_s``: say so, keep waiting.
+
+        The job is not reported before its operation ends: until then the tier
+        may still read or write the job's primary rows, and a reported job
+        hands its rows back to the scheduler for reuse (a wrong hit, or a
+        corrupt store, if the operation then touched them).
+        """
         if job.task is None or job.task.done() or job.published:
             return
-        self.counters.timeouts += 1
+        job.abandoned = True
         self.counters.abandoned_jobs += 1
         logger.error(
-            "tier %s: job %d ignored cancellation for %g s after its deadline; reporting it "
-            "failed while the operation still runs (the tier breaks the AsyncTier contract)",
+            "tier %s: job %d ignored cancellation for %g s after its deadline; it is reported "
+            "failed once the operation ends, and its primary rows stay in use until then "
+            "(the tier breaks the AsyncTier contract)",
             self.name,
             job.meta.job_id,
             self.cancel_grace_s,
-        )
-        self._publish(
-            job,
-            self._failure(
-                job,
-                f"missed its deadline of {self.job_timeout_s:g} s and the tier ignored "
-                "cancellation",
-            ),
         )
 
     async def _claim(self, keys: Sequence[OffloadKey]) -> asyncio.Future[None]:
@@ -554,7 +554,7 @@ class TierService:
                     batch.errors[key] = RuntimeError("the tier reported no outcome for this key")
         except asyncio.CancelledError:
             self._limiter.release(len(keys))
-            _release_views(rows)
+            await self._let_go(job, rows)
             raise
         except Exception as exc:
             ok = []
@@ -567,11 +567,35 @@ class TierService:
                 ok = self._verified(keys, rows, ok, batch)
         finally:
             self._limiter.release(len(keys))
-            _release_views(rows)
+            await self._let_go(job, rows)
         batch.ok.extend(ok)
         if not load:
             batch.in_flight.difference_update(keys)
         job.done_keys += len(keys)
+
+    async def _let_go(self, job: _Job, rows: list[memoryview]) -> None:
+        """Release the job's row views, waiting while anything still holds one.
+
+        A tier call can return (or be cancelled) while a thread it started
+        still reads or writes a row, e.g. a cancelled ``await
+        asyncio.to_thread(os.preadv, ...)``: the row is exported until that
+        thread ends. The job must not end before, or its rows would be reused
+        under the thread. Cancellation: stops waiting (shutdown).
+        """
+        held = _release_views(rows)
+        if not held:
+            return
+        logger.error(
+            "tier %s: job %d: a buffer of a primary row is still in use after the tier's call "
+            "ended (a thread it started, or a view it kept); the job ends when it is released",
+            self.name,
+            job.meta.job_id,
+        )
+        delay = 0.0005
+        while held:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.05)
+            held = _release_views(held)
 
     def _verified(
         self,
@@ -762,12 +786,12 @@ def _checksum(block: memoryview) -> int:
     return xxhash.xxh3_64_intdigest(block)
 
 
-def _release_views(views: list[memoryview]) -> None:
-    try:
-        for view in views:
+def _release_views(views: list[memoryview]) -> list[memoryview]:
+    """Release ``views``; return those something still holds an export of."""
+    held: list[memoryview] = []
+    for view in views:
+        try:
             view.release()
-    except BufferError:  # the tier still holds an export of one (e.g. a numpy view)
-        logger.error("a tier kept a buffer of a primary row after its operation returned")
-        for view in views:
-            with contextlib.suppress(BufferError):
-                view.release()
+        except BufferError:
+            held.append(view)
+    return held

@@ -153,6 +153,7 @@ class FileSystemTier(AsyncTier):
     """
 
     shared = False
+    verifies_reads = True  # every slot carries an xxh3-128 checksum, checked on each read
 
     def __init__(
         self,

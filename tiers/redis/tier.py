@@ -58,6 +58,10 @@ class RedisTier(AsyncTier):
     """
 
     shared = True
+    # Every value's header carries the key hash, length and an xxh3 checksum, checked
+    # on each read; a runtime checksum would also reject a block another engine
+    # rewrote with its own (valid) bytes.
+    verifies_reads = True
 
     def __init__(self, **settings: Any) -> None:
         unknown = sorted(set(settings) - _SETTINGS)
