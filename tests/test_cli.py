@@ -114,6 +114,26 @@ def test_a_missing_trace_file_is_bad_input(
 ) -> None:
     assert main(["replay", str(tmp_path / "nope.jsonl")]) == EXIT_BAD_INPUT
     assert "no such file" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "is a directory, not a trace file" in capsys.readouterr().err
+
+
+def test_an_unreadable_trace_is_bad_input_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import tiering.replay.trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("")
+
+    def refuse(path: object, block_tokens: int) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(tiering.replay.trace, "read_trace", refuse)  # root reads anything
+    assert main(["replay", str(trace), "--no-progress"]) == EXIT_BAD_INPUT
+    assert "t.jsonl: cannot read it (Permission denied)" in capsys.readouterr().err
 
 
 def test_an_unwritable_output_fails_before_reading_the_trace(

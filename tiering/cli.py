@@ -344,9 +344,14 @@ def load_workload(args: argparse.Namespace) -> Workload:
             f"synthetic(seed={workload.seed}, requests={workload.num_requests})",
             workload.generate(),
         )
+    if args.trace.is_dir():
+        raise UsageError(f"trace {args.trace}: is a directory, not a trace file")
     if not args.trace.is_file():
         raise UsageError(f"trace {args.trace}: no such file")
-    requests = read_trace(args.trace, args.block_tokens)
+    try:
+        requests = read_trace(args.trace, args.block_tokens)
+    except OSError as exc:  # unreadable (permissions, I/O error): not a traceback
+        raise UsageError(f"trace {args.trace}: cannot read it ({exc.strerror or exc})") from None
     if args.requests is not None:
         requests = requests[: args.requests]
     return Workload(args.trace.name, requests)

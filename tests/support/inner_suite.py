@@ -63,6 +63,7 @@ def run_inner_suite(
     output = done.stdout + done.stderr
     sys.stdout.write(output[-4000:])  # shown with -s / on failure
     assert done.returncode == 0, f"the inner suite {suite} failed:\n{output[-12000:]}"
-    summary = output.strip().splitlines()[-1]
+    # pytest's summary is the last line of its stdout (stderr may carry later warnings).
+    summary = (done.stdout.strip().splitlines() or [""])[-1]
     assert " passed" in summary and "no tests ran" not in summary, output[-2000:]
     assert "skipped" not in summary and "deselected" not in summary, summary

@@ -545,6 +545,7 @@ class CudaCopyEngine(CopyEngine):
         for job in stuck:
             job.abandon("the copy engine shut down before the job finished")
         self._in_flight.clear()
+        self.jobs_left_running = len(stuck)
         if stuck:
             # DMA may still be running into the buffer: unpinning now would be unsafe.
             logger.warning(

@@ -86,6 +86,10 @@ class CopyEngine(ABC):
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
+        #: Jobs :meth:`shutdown` reported failed whose copies may still be running
+        #: (a CUDA DMA cannot be stopped): while non-zero, the host buffer must
+        #: stay mapped.
+        self.jobs_left_running = 0
 
     @abstractmethod
     def submit(self, plan: TransferPlan) -> CopyJob:

@@ -31,11 +31,17 @@ class GPUPrefixCache:
         return hits
 
     def admit(self, hash_ids: Sequence[int]) -> None:
-        """Record a request's blocks as resident and most recently used, evicting LRU ones."""
+        """Record a request's blocks as resident and most recently used, evicting LRU ones.
+
+        The request's first block becomes the most recent: vLLM frees a
+        finished request's blocks tail first, so under pressure a cached
+        prefix shrinks from its end and its start (what the next request can
+        reuse) stays longest.
+        """
         if self.capacity_blocks == 0:
             return
         blocks = self._blocks
-        for hash_id in hash_ids:
+        for hash_id in reversed(hash_ids):
             if hash_id in blocks:
                 blocks.move_to_end(hash_id)
             else:

@@ -35,9 +35,10 @@ class TierStats:
     ``store_seconds``/``load_seconds`` add up each job's transfer time (jobs
     overlap, so they are not wall time). ``timeouts`` counts jobs that missed
     their deadline, ``abandoned_jobs`` those whose tier operation then also
-    ignored cancellation for ``cancel_grace_s`` (they end when it does), ``corrupt_reads``/``missing_reads`` blocks whose
-    read raised ``CorruptBlock``/``BlockNotFound``, ``blocks_removed`` blocks
-    the tier reported gone (evictions) or found missing or corrupt.
+    ignored cancellation for ``cancel_grace_s`` (they end when it does),
+    ``corrupt_reads``/``missing_reads`` blocks whose read raised
+    ``CorruptBlock``/``BlockNotFound``, ``blocks_removed`` blocks the tier
+    reported gone (evictions) or found missing or corrupt.
     """
 
     name: str

@@ -33,6 +33,11 @@ from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 logger = logging.getLogger("tiering.integrations.vllm")
 
+_UNSUPPORTED_FAILURE = (
+    "{} (see the log above); vLLM's offloading connector cannot recover from a failed "
+    "transfer, so the worker stops here"
+)
+
 
 class CopyEngineOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM's ``OffloadingWorker`` over our :class:`~tiering.copy.CopyWorker`.
@@ -51,24 +56,39 @@ class CopyEngineOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLL
     def copy_worker(self) -> CopyWorker:
         return self._copy
 
+    # vLLM's offloading connector (0.32, 0.33) asserts that every submission is
+    # accepted and every transfer succeeds ("we currently do not support job
+    # failures"): it cannot turn a failed copy into a miss. A failure therefore
+    # raises here, naming its cause, instead of surfacing as a bare AssertionError.
+
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        """Engine KV blocks -> CPU tier chunks, asynchronously; False if rejected."""
-        return self._copy.submit_store(job_id, _gpu_spec(src_spec), _cpu_spec(dst_spec))
+        """Engine KV blocks -> CPU tier chunks, asynchronously. Raises if rejected."""
+        if not self._copy.submit_store(job_id, _gpu_spec(src_spec), _cpu_spec(dst_spec)):
+            raise RuntimeError(_UNSUPPORTED_FAILURE.format(f"store job {job_id} was rejected"))
+        return True
 
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
     ) -> bool:
-        """CPU tier chunks -> engine KV blocks, asynchronously; False if rejected."""
-        return self._copy.submit_load(
+        """CPU tier chunks -> engine KV blocks, asynchronously. Raises if rejected."""
+        accepted = self._copy.submit_load(
             job_id, _cpu_spec(src_spec), _gpu_spec(dst_spec), expedited=expedited
         )
+        if not accepted:
+            raise RuntimeError(_UNSUPPORTED_FAILURE.format(f"load job {job_id} was rejected"))
+        return True
 
     def get_finished(self) -> list[Any]:
-        """vLLM ``TransferResult`` s of the jobs finished since the last call."""
+        """vLLM ``TransferResult`` s of the jobs finished since the last call.
+
+        Raises :class:`RuntimeError` naming the first failed job's error.
+        """
         results = []
         for result in self._copy.get_finished():
             if not result.success:
-                logger.error("copy job %d failed: %s", result.job_id, result.error)
+                raise RuntimeError(
+                    _UNSUPPORTED_FAILURE.format(f"copy job {result.job_id} failed: {result.error}")
+                )
             results.append(
                 TransferResult(
                     job_id=result.job_id,
@@ -88,12 +108,20 @@ class CopyEngineOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLL
         if self._closed:
             return
         self._closed = True
+        still_copying = 0
         try:
             self._copy.shutdown()
+            still_copying = self._copy.engine.jobs_left_running
         finally:
             self._copy = None  # type: ignore[assignment]  # drop its views of the region
             gc.collect()
-            self._region.cleanup()
+            if still_copying:  # a DMA may still write into the region: leak it, never unmap
+                logger.error(
+                    "%d copy job(s) still running at shutdown; the shared region stays mapped",
+                    still_copying,
+                )
+            else:
+                self._region.cleanup()
 
 
 class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # vLLM is untyped
