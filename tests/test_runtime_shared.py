@@ -115,3 +115,45 @@ def test_loads_read_blocks_only_others_stored_and_learn_from_misses(
         assert not failed.success and "BlockNotFound" in (failed.error or "")
         assert manager.lookup(key(1), NO_CONTEXT) is False
         assert list(manager.take_events()) == [([key(1)], True)]
+
+
+def test_present_answers_age_so_a_block_evicted_behind_our_back_turns_absent(
+    medium: SharedStore, buf: np.ndarray
+) -> None:
+    tier = SharedTier(medium)
+    with AsyncTierManager(
+        tier, buf.data, "shared", shared_present_ttl_s=0.2, shared_absent_ttl_s=600
+    ) as manager:
+        fill(buf, 0)
+        manager.submit_store(store(1, [key(1)], [0]))
+        assert one_result(manager).success
+        assert manager.lookup(key(1), NO_CONTEXT) is True
+        del medium.blocks[key(1)]  # the server evicted it
+        # The present answer is forgotten after its TTL, asked again, and found absent.
+        wait_until(lambda: manager.lookup(key(1), NO_CONTEXT) is False)
+        assert any(key(1) in call for call in tier.contains_calls)
+
+
+def test_known_present_answers_are_bounded(medium: SharedStore, buf: np.ndarray) -> None:
+    tier = SharedTier(medium)
+    keys = [key(i) for i in range(6)]
+    with AsyncTierManager(tier, buf.data, "shared", shared_max_known_keys=4) as manager:
+        for i, k in enumerate(keys):
+            fill(buf, i)
+            manager.submit_store(store(i + 1, [k], [i]))
+            assert one_result(manager).success
+        assert manager.stats().blocks_held == 4
+        # The two oldest answers were forgotten, not removed: asked again, still there.
+        assert manager.lookup(keys[0], NO_CONTEXT) is None
+        wait_until(lambda: manager.lookup(keys[0], NO_CONTEXT) is True)
+        assert all(manager.lookup(k, NO_CONTEXT) is True for k in keys[3:])
+        assert not any(removed for _, removed in manager.take_events())
+
+
+def test_shared_knowledge_options_are_checked(buf: np.ndarray) -> None:
+    from tiering.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="shared_present_ttl_s must be a positive number"):
+        AsyncTierManager(SharedTier(SharedStore()), buf.data, "s", shared_present_ttl_s=0)
+    with pytest.raises(ConfigError, match="shared_max_known_keys must be a positive int"):
+        AsyncTierManager(SharedTier(SharedStore()), buf.data, "s", shared_max_known_keys=0)

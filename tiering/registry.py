@@ -21,6 +21,8 @@ The other keys of the dict are split in two. The *framework's* keys
 ``shutdown_timeout_s``   bound on shutdown (default 10)
 ``cancel_grace_s``       how long a cancelled operation may linger (default 1)
 ``shared_absent_ttl_s``  shared tiers: how long an "absent" answer is trusted (default 5)
+``shared_present_ttl_s`` shared tiers: how long a "present" answer is trusted (default 60)
+``shared_max_known_keys`` shared tiers: most "present" answers kept (default 1000000)
 ``max_events``           events kept for ``take_events`` (default 100000)
 ``verify``               checksum stored blocks and verify loads (default: unless
                          the tier declares ``verifies_reads``)
@@ -68,6 +70,8 @@ FRAMEWORK_KEYS = (
     "shutdown_timeout_s",
     "cancel_grace_s",
     "shared_absent_ttl_s",
+    "shared_present_ttl_s",
+    "shared_max_known_keys",
     "max_events",
     "verify",
     "failed_load_backoff_s",

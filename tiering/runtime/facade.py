@@ -70,8 +70,11 @@ class AsyncTierManager(SecondaryTierManager):
     cancellation before it is logged and counted as abandoned (the job is
     reported failed only once the operation ends: its rows are in use);
     ``shared_absent_ttl_s`` is how long a shared tier's "absent" answer is
-    trusted; ``max_events`` bounds events waiting for :meth:`take_events`
-    (more are counted in ``stats().events_dropped``). ``verify`` (default:
+    trusted, ``shared_present_ttl_s`` how long its "present" answer is (then
+    the tier is asked again) and ``shared_max_known_keys`` how many "present"
+    answers are kept (the oldest are forgotten first); ``max_events`` bounds
+    events waiting for :meth:`take_events` (more are counted in
+    ``stats().events_dropped``). ``verify`` (default:
     unless the tier sets ``verifies_reads``) keeps an xxh3 checksum of every
     block stored and fails a load whose bytes differ: a silently corrupted
     read is a miss, never a wrong hit. ``failed_load_backoff_s`` (default 0:
@@ -97,6 +100,8 @@ class AsyncTierManager(SecondaryTierManager):
         block_bytes: int | None = None,
         cancel_grace_s: float = 1.0,
         shared_absent_ttl_s: float = 5.0,
+        shared_present_ttl_s: float = 60.0,
+        shared_max_known_keys: int = 1_000_000,
         max_events: int = 100_000,
         verify: bool | None = None,
         failed_load_backoff_s: float = 0.0,
@@ -110,6 +115,7 @@ class AsyncTierManager(SecondaryTierManager):
             ("shutdown_timeout_s", shutdown_timeout_s),
             ("cancel_grace_s", cancel_grace_s),
             ("shared_absent_ttl_s", shared_absent_ttl_s),
+            ("shared_present_ttl_s", shared_present_ttl_s),
         ):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
@@ -124,6 +130,14 @@ class AsyncTierManager(SecondaryTierManager):
             )
         if verify is not None and not isinstance(verify, bool):
             raise ConfigError(f"verify must be true, false or null, got {verify!r}")
+        if (
+            not isinstance(shared_max_known_keys, int)
+            or isinstance(shared_max_known_keys, bool)
+            or shared_max_known_keys < 1
+        ):
+            raise ConfigError(
+                f"shared_max_known_keys must be a positive int, got {shared_max_known_keys!r}"
+            )
         if not isinstance(max_events, int) or max_events < 0:
             raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
         self.name = name or tier_type
@@ -151,6 +165,8 @@ class AsyncTierManager(SecondaryTierManager):
             job_timeout_s=self.job_timeout_s,
             cancel_grace_s=float(cancel_grace_s),
             shared_absent_ttl_s=float(shared_absent_ttl_s),
+            shared_present_ttl_s=float(shared_present_ttl_s),
+            shared_max_known_keys=shared_max_known_keys,
             max_events=max_events,
             verify=not tier.verifies_reads if verify is None else verify,
         )
@@ -179,6 +195,8 @@ class AsyncTierManager(SecondaryTierManager):
         self._results = self._service.results
         self._shared = self._service.shared
         self._absent_ttl_s = float(shared_absent_ttl_s)
+        # A repeated lookup of a key being checked posts no new request within this window.
+        self._recheck_after_s = min(self.job_timeout_s, float(shared_present_ttl_s))
 
     # -- the scheduler-facing contract -------------------------------------------------------
 
@@ -187,7 +205,8 @@ class AsyncTierManager(SecondaryTierManager):
 
         Never waits for the loop. For a shared tier an unknown key answers
         None and is checked in the background (batched with other keys); the
-        answer is cached (an absent answer for ``shared_absent_ttl_s``).
+        answer is cached (an absent answer for ``shared_absent_ttl_s``, a
+        present one for ``shared_present_ttl_s``).
         """
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
@@ -238,7 +257,7 @@ class AsyncTierManager(SecondaryTierManager):
             self._requested.pop(key, None)
             return False
         asked = self._requested.get(key)
-        if asked is not None and now - asked < self.job_timeout_s:
+        if asked is not None and now - asked < self._recheck_after_s:
             return None  # already being checked
         if len(self._requested) >= 65536:
             self._forget_old_requests(now)

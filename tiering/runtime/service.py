@@ -5,7 +5,8 @@ only writer of the state the scheduler thread reads without a lock (the
 *published* state, safe to read under the GIL because each read is one
 atomic operation on a set, dict or deque):
 
-``present``      keys known to be readable in the tier (lookup True)
+``present``      keys known to be readable in the tier (lookup True); for a shared
+                 tier, recent knowledge (see :mod:`tiering.runtime.presence`)
 ``unsettled``    keys whose presence is being checked (lookup None)
 ``absent_at``    shared tiers: keys found absent, with when (lookup False for a while)
 ``events``       ``(keys, removed)`` pairs waiting for ``take_events``
@@ -20,9 +21,10 @@ Rules it enforces for every tier:
   flight therefore waits for the store and then reads it (within the load's
   own deadline);
 * every job has a deadline; at the deadline its operations are cancelled and
-  it fails. A tier that ignores cancellation gets ``cancel_grace_s`` more,
-  then the job is reported failed anyway (the keys stay claimed until the
-  operation really ends, and an error is logged: the tier broke its contract);
+  it fails. A tier that ignores cancellation past ``cancel_grace_s`` is
+  logged (it broke its contract), and its job is reported only when the
+  operation really ends: until then it may still touch the job's primary
+  rows, and a job stays in flight while any of its rows is still held;
 * a key whose write did not end cleanly (error, cancellation) is *unsettled*:
   lookups answer None until ``contains`` says what is there.
 """
@@ -30,6 +32,7 @@ Rules it enforces for every tier:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -44,6 +47,7 @@ from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
 from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import OffloadKey
 from tiering.runtime.limiter import BlockLimiter
+from tiering.runtime.presence import KnownPresent
 from tiering.runtime.stats import TierCounters
 from tiering.tier import AsyncTier, TierContext
 
@@ -93,6 +97,8 @@ class TierService:
         job_timeout_s: float,
         cancel_grace_s: float,
         shared_absent_ttl_s: float,
+        shared_present_ttl_s: float,
+        shared_max_known_keys: int,
         max_events: int,
         verify: bool,
     ) -> None:
@@ -110,7 +116,11 @@ class TierService:
         self._max_batch = max(1, int(tier.max_concurrency))
         self._limiter = BlockLimiter(self._max_batch)
         # Published (read by the scheduler thread without a lock).
-        self.present: set[OffloadKey] = set()
+        self.present = (
+            KnownPresent(ttl_s=shared_present_ttl_s, max_keys=shared_max_known_keys)
+            if self.shared
+            else KnownPresent()
+        )
         self.unsettled: set[OffloadKey] = set()
         self.absent_at: dict[OffloadKey, float] = {}
         self.events: deque[tuple[list[OffloadKey], bool]] = deque()
@@ -145,7 +155,7 @@ class TierService:
         self.tier._bind_removed_sink(self._on_removed)
         await self.tier.open(context)
         for count, key in enumerate(await self.tier.list_keys(), 1):
-            self.present.add(key)
+            self._learn_present(key)
             if count % 65536 == 0:
                 await asyncio.sleep(0)  # a big recovered index must not stall the loop
         self._resolver = self._loop.create_task(
@@ -373,7 +383,7 @@ class TierService:
         for key in batch.ok:
             if gone and key in gone:
                 continue  # written, then evicted before the batch returned
-            self.present.add(key)
+            self._learn_present(key)
             self.unsettled.discard(key)
             self.absent_at.pop(key, None)
             now_present.append(key)
@@ -402,7 +412,7 @@ class TierService:
         keep: list[int] = []
         for i, is_there in zip(todo, found, strict=True):
             if is_there:
-                self.present.add(keys[i])
+                self._learn_present(keys[i])
                 self.unsettled.discard(keys[i])
             else:
                 keep.append(i)
@@ -429,7 +439,7 @@ class TierService:
         loaded = batch.ok
         if self.shared:
             for key in loaded:
-                self.present.add(key)
+                self._learn_present(key)
                 self.unsettled.discard(key)
         nbytes = len(loaded) * self.block_bytes
         counters = self.counters
@@ -648,14 +658,37 @@ class TierService:
     # -- presence resolution, touch, removals ---------------------------------------------
 
     async def _resolve_forever(self) -> None:
-        """Answer ``contains`` for unsettled keys in batches. Cancellation: stops (shutdown)."""
+        """Answer ``contains`` for unsettled keys in batches; age a shared tier's answers.
+
+        Cancellation: stops (shutdown).
+        """
         wakeup = self._resolve_wakeup
         assert wakeup is not None
+        present = self.present
+        period = None if present.ttl_s is None else max(0.01, present.ttl_s / 4)
         while True:
-            await wakeup.wait()
+            if period is None:
+                await wakeup.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(period):
+                        await wakeup.wait()
+                self._forget(present.expire())
             wakeup.clear()
             while self._to_resolve:
                 await self._resolve_some()
+
+    def _learn_present(self, key: OffloadKey) -> None:
+        """``key`` is readable in the tier (a shared tier may forget older answers for room)."""
+        forgotten = self.present.add(key)
+        if forgotten:
+            self._forget(forgotten)
+
+    def _forget(self, keys: list[OffloadKey]) -> None:
+        """Drop what we knew of a shared tier's ``keys`` (they may still be there)."""
+        digests = self._digests
+        for key in keys:
+            digests.pop(key, None)
 
     async def _resolve_some(self) -> None:
         batch: list[OffloadKey] = []
@@ -710,7 +743,7 @@ class TierService:
         for i, key in enumerate(keys):
             self.unsettled.discard(key)
             if answers is not None and answers[i]:
-                self.present.add(key)
+                self._learn_present(key)
                 self.absent_at.pop(key, None)
             else:
                 self.present.discard(key)

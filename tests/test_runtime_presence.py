@@ -1,0 +1,79 @@
+"""KnownPresent: a tier's "present" knowledge, exact for private tiers, aging for shared ones."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tiering.keys import make_offload_key
+from tiering.runtime.presence import KnownPresent
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def k(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def test_private_knowledge_never_ages() -> None:
+    known = KnownPresent()
+    for i in range(1000):
+        known.add(k(i))
+    assert not known.ages and known.expire() == [] and len(known) == 1000
+
+
+def test_answers_expire_oldest_first_and_a_refresh_restarts_the_clock() -> None:
+    clock = Clock()
+    known = KnownPresent(ttl_s=10, clock=clock)
+    known.add(k(1))
+    clock.now = 4
+    known.add(k(2))
+    clock.now = 8
+    known.add(k(1))  # refreshed: now newer than k(2)
+    clock.now = 14
+    assert known.expire() == [k(2)]
+    assert k(1) in known and k(2) not in known
+    clock.now = 18
+    assert known.expire() == [k(1)] and len(known) == 0
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["add", "discard", "tick", "expire"]), st.integers(0, 12)),
+    max_size=200,
+)
+
+
+@given(OPS, st.integers(1, 6), st.integers(1, 5))
+def test_matches_a_reference_model(ops: list[tuple[str, int]], max_keys: int, ttl: int) -> None:
+    clock = Clock()
+    known = KnownPresent(ttl_s=ttl, max_keys=max_keys, clock=clock)
+    model: dict[bytes, float] = {}  # key -> when learnt; dict order = learning order
+    for op, i in ops:
+        if op == "add":
+            model.pop(k(i), None)
+            model[k(i)] = clock.now
+            expected_forgotten = []
+            while len(model) > max_keys:
+                oldest = next(iter(model))
+                del model[oldest]
+                expected_forgotten.append(oldest)
+            assert known.add(k(i)) == expected_forgotten
+        elif op == "discard":
+            model.pop(k(i), None)
+            known.discard(k(i))
+        elif op == "tick":
+            clock.now += i / 4
+        else:
+            expired = [key for key, at in model.items() if at <= clock.now - ttl]
+            for key in expired:
+                del model[key]
+            assert known.expire() == expired
+        known.check_invariants()
+        assert list(known) == list(model) and len(known) == len(model)
+        assert all(key in known for key in model)
