@@ -139,7 +139,7 @@ def test_lookup_resolves_unknown_keys_asynchronously(redis_server: RedisServer) 
         assert np.array_equal(rows_b[10:14], rows_a[0:4])
 
 
-def test_a_store_job_is_one_round_trip_and_skips_blocks_others_stored(
+def test_a_store_job_is_one_data_pipeline_and_skips_blocks_others_stored(
     redis_server: RedisServer,
 ) -> None:
     config = redis_config(redis_server.url, "one-trip")
@@ -148,6 +148,7 @@ def test_a_store_job_is_one_round_trip_and_skips_blocks_others_stored(
         fill(rows_a, list(range(48)))
         trips = count_round_trips(engine_a.tier)  # type: ignore[arg-type]
         assert run_job(engine_a, block_keys, list(range(48)), load=False).success
+        # One STRLEN pipeline (presence of unknown keys), then one SET pipeline: never per block.
         assert trips == [48, 48], "one presence check and one SET pipeline for the job"
 
         fill(rows_b, list(range(48)))

@@ -240,41 +240,49 @@ class RedisTier(AsyncTier):
         succeeded: list[bytes] = []
         gone: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
-        for lo, hi in self._chunks(len(keys)):
-            chunk = keys[lo:hi]
-            loads = [
-                (layout.redis_key(k), _Load(k, dest))
-                for k, dest in zip(chunk, into[lo:hi], strict=True)
-            ]
+        # Cleared when this call ends: a reply parsed later (a node's pipeline that
+        # outlived a failed or cancelled round trip) must not write into ``into``.
+        live = [True]
+        try:
+            for lo, hi in self._chunks(len(keys)):
+                chunk = keys[lo:hi]
+                loads = [
+                    (layout.redis_key(k), _Load(k, dest, live))
+                    for k, dest in zip(chunk, into[lo:hi], strict=True)
+                ]
 
-            def fill(pipe: Any, loads: list[tuple[bytes, _Load]] = loads) -> None:
-                for name, load in loads:
-                    if ttl_ms is None:
-                        pipe.execute_command("GET", name, kvt_load=load)
+                def fill(pipe: Any, loads: list[tuple[bytes, _Load]] = loads) -> None:
+                    for name, load in loads:
+                        if ttl_ms is None:
+                            pipe.execute_command("GET", name, kvt_load=load)
+                        else:
+                            pipe.execute_command("GETEX", name, "PX", ttl_ms, kvt_load=load)
+
+                try:
+                    replies = await self._round_trip("GET", fill)
+                except Exception as exc:
+                    errors.update(dict.fromkeys(chunk, exc))
+                    continue
+                for key, reply in zip(chunk, replies, strict=True):
+                    if reply is _LOADED:
+                        succeeded.append(key)
+                    elif isinstance(reply, BlockNotFound):
+                        gone.append(key)
+                        errors[key] = reply
+                    elif isinstance(reply, CorruptBlock):
+                        corrupt.append(key)
+                        errors[key] = reply
+                    elif isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
+                        corrupt.append(key)
+                        errors[key] = CorruptBlock(key, "the key holds a non-string value")
+                    elif isinstance(reply, BaseException):
+                        errors[key] = self._translate(reply, "GET", key)
                     else:
-                        pipe.execute_command("GETEX", name, "PX", ttl_ms, kvt_load=load)
-
-            try:
-                replies = await self._round_trip("GET", fill)
-            except Exception as exc:
-                errors.update(dict.fromkeys(chunk, exc))
-                continue
-            for key, reply in zip(chunk, replies, strict=True):
-                if reply is _LOADED:
-                    succeeded.append(key)
-                elif isinstance(reply, BlockNotFound):
-                    gone.append(key)
-                    errors[key] = reply
-                elif isinstance(reply, CorruptBlock):
-                    corrupt.append(key)
-                    errors[key] = reply
-                elif isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
-                    corrupt.append(key)
-                    errors[key] = CorruptBlock(key, "the key holds a non-string value")
-                elif isinstance(reply, BaseException):
-                    errors[key] = self._translate(reply, "GET", key)
-                else:
-                    errors[key] = RuntimeError(f"unexpected reply to GET: {type(reply).__name__}")
+                        errors[key] = RuntimeError(
+                            f"unexpected reply to GET: {type(reply).__name__}"
+                        )
+        finally:
+            live[0] = False
         self.stats.blocks_read += len(succeeded)
         self.stats.bytes_read += len(succeeded) * layout.block_bytes
         self.stats.read_failures += len(errors)
@@ -426,13 +434,14 @@ class RedisTier(AsyncTier):
                 f"{self._gate.seconds_until_probe():.1f}s"
             )
         async with self._connections:
-            pipe: Any = (
-                client.pipeline() if self.config.cluster else client.pipeline(transaction=False)
-            )
-            fill(pipe)
             try:
                 async with asyncio.timeout(self._round_trip_budget_s):
-                    replies: list[Reply] = await pipe.execute(raise_on_error=False)
+                    if self.config.cluster:
+                        replies = await self._cluster_round_trip(client, fill)
+                    else:
+                        pipe = client.pipeline(transaction=False)
+                        fill(pipe)
+                        replies = await pipe.execute(raise_on_error=False)
             except Exception as exc:
                 error = translate(exc, self._where(op))
                 if isinstance(error, RedisTierTimeout):
@@ -441,6 +450,48 @@ class RedisTier(AsyncTier):
                     self._note_unreachable()
                 raise error from exc
         self._note_reachable()
+        return replies
+
+    async def _cluster_round_trip(self, client: Any, fill: FillPipeline) -> list[Reply]:
+        """One pipeline per node, concurrently: a node that is down fails only its commands.
+
+        (redis-py's cluster pipeline fails every command of the pipeline when
+        one node cannot be reached.) Raises the first node's error when every
+        node failed, so a cluster-wide outage still closes the gate.
+        """
+        commands = _Commands()
+        fill(commands)
+        groups: dict[str, list[int]] = {}
+        replies: list[Reply] = [None] * len(commands.queue)
+        for index, (args, _) in enumerate(commands.queue):
+            try:
+                node = client.get_node_from_key(args[1])
+            except Exception as exc:  # a slot no node covers (CLUSTERDOWN)
+                replies[index] = exc
+                continue
+            groups.setdefault(node.name, []).append(index)
+        pipes = []
+        for indices in groups.values():
+            pipe = client.pipeline()
+            for index in indices:
+                args, options = commands.queue[index]
+                pipe.execute_command(*args, **options)
+            pipes.append(pipe)
+        outcomes = await asyncio.gather(
+            *(pipe.execute(raise_on_error=False) for pipe in pipes), return_exceptions=True
+        )
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures and len(failures) == len(outcomes):
+            raise failures[0]
+        for indices, outcome in zip(groups.values(), outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if is_unreachable(outcome):
+                    self.stats.unreachable_errors += 1
+                for index in indices:
+                    replies[index] = outcome
+            else:
+                for index, reply in zip(indices, outcome, strict=True):
+                    replies[index] = reply
         return replies
 
     def _note_unreachable(self, *, log: bool = True) -> None:
@@ -478,6 +529,8 @@ class RedisTier(AsyncTier):
         load: _Load | None = options.get("kvt_load")
         if load is None:
             return response
+        if not load.live[0]:
+            return RuntimeError("the load this reply belongs to has ended")
         if response is None:
             return BlockNotFound(load.key)
         try:
@@ -511,11 +564,34 @@ class RedisTier(AsyncTier):
 _LOADED = object()
 
 
+class _Commands:
+    """Records what a ``fill`` function queues, to be split over cluster nodes."""
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> None:
+        self.queue.append((args, options))
+
+    def strlen(self, name: bytes) -> None:
+        self.execute_command("STRLEN", name)
+
+    def delete(self, name: bytes) -> None:
+        self.execute_command("DEL", name)
+
+    def touch(self, name: bytes) -> None:
+        self.execute_command("TOUCH", name)
+
+    def pexpire(self, name: bytes, ms: int) -> None:
+        self.execute_command("PEXPIRE", name, ms)
+
+
 class _Load(NamedTuple):
     """One block a pipeline loads: its key and the destination row."""
 
     key: OffloadKey
     into: memoryview
+    live: list[bool]  # [False] once the read_many call that queued it has ended
 
 
 async def _single(batch: Coroutine[Any, Any, None], key: OffloadKey) -> None:
