@@ -98,6 +98,38 @@ async def test_cancelled_run_withdraws_queued_ops_and_waits_for_started_ones(
         os.close(fd)
 
 
+async def test_uring_op_that_cannot_enter_the_ring_fails_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    if "uring" not in BACKENDS:
+        pytest.skip("io_uring is not available on this machine")
+    path = tmp_path / "data"
+    path.write_bytes(bytes(65536))
+    fd = os.open(path, os.O_RDWR)
+    backend = make_backend("uring")
+    assert isinstance(backend, UringBackend)
+    real_prepare = backend._prepare
+    refused: list[IoOp] = []
+
+    def refuse_first(op: IoOp) -> None:
+        if not refused:
+            refused.append(op)
+            raise RuntimeError("io_uring submission queue is full")
+        real_prepare(op)
+
+    backend._prepare = refuse_first  # type: ignore[method-assign]
+    try:
+        ops = [IoOp(OpKind.READ, fd, i * 4096, [memoryview(bytearray(4096))]) for i in range(4)]
+        async with asyncio.timeout(10):
+            await backend.run(ops)
+        assert refused == [ops[0]]
+        assert isinstance(ops[0].error, OSError) and "queue is full" in str(ops[0].error)
+        assert all(op.ok for op in ops[1:])
+    finally:
+        await backend.aclose()
+        os.close(fd)
+
+
 async def test_thread_backend_joins_its_threads(tmp_path: Path) -> None:
     def io_threads() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.startswith("fs-tier-")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from tests.fs_support import (
     BACKENDS,
     BLOCK,
+    FINGERPRINT,
     Rows,
     block_data,
     disk_bytes,
@@ -318,3 +320,21 @@ async def test_no_buffer_outlives_the_call(tmp_path: Path, backend: str, direct_
             view.release()  # BufferError if an export of the view were still held
     src.view.release()
     dst.view.release()
+
+
+async def test_a_write_waiting_for_room_fails_when_the_tier_closes(tmp_path: Path) -> None:
+    tier = make_tier(tmp_path, capacity_bytes=2 * BLOCK)
+    await tier.open(TierContext(BLOCK, FINGERPRINT, "fs-test"))
+    try:
+        holding = asyncio.ensure_future(write_keys(tier, [key(1), key(2)]))
+        waiting = asyncio.ensure_future(write_keys(tier, [key(3)]))
+        for _ in range(3):
+            await asyncio.sleep(0)  # both started: the second waits for the first's slots
+        assert not waiting.done()
+    finally:
+        await tier.aclose()
+    async with asyncio.timeout(10):
+        with pytest.raises(TierClosedError, match="closed while a write waited for room"):
+            await waiting
+        with contextlib.suppress(Exception):
+            await holding

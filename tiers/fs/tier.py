@@ -335,6 +335,7 @@ class FileSystemTier(AsyncTier):
         state, self._open_state = self._open_state, None
         if state is None:
             return
+        self._notify_room(state)  # writes waiting for room see the tier closed and fail
         durable = self.config.durability != "none"
         try:
             for task in state.tasks[1:]:
@@ -548,6 +549,8 @@ class FileSystemTier(AsyncTier):
         # slots it needs (holding part of them while waiting could deadlock two batches).
         while len(keys) <= index.capacity_slots and index.available() < len(keys):
             await self._room_changed(state)
+            if self._closed:
+                raise TierClosedError("fs tier closed while a write waited for room")
         reservation = index.reserve(len(keys), journal.durable_seq, journal.next_seq)
         if reservation.evicted:
             journal.append(encode_del([k for k, _ in reservation.evicted], state.seed), retry=True)

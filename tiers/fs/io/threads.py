@@ -10,6 +10,7 @@ loop is woken through an eventfd.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
 from collections import deque
@@ -30,7 +31,9 @@ def execute(op: IoOp) -> None:
             moved = call(op.fd, op.remaining(), op.offset + op.done)
             if moved <= 0:
                 if op.kind is OpKind.WRITE:
-                    raise OSError(f"pwritev wrote nothing at offset {op.offset + op.done}")
+                    raise OSError(
+                        errno.EIO, f"pwritev wrote nothing at offset {op.offset + op.done}"
+                    )
                 return  # end of file: a short read, judged by the caller
             op.done += moved
     except OSError as exc:

@@ -141,8 +141,18 @@ class UringBackend(IoBackend):
             op = self._dispatch.pop(writes_allowed=self._inflight_writes < self._write_cap)
             if op is None:
                 break
-            self._prepare(op)
+            self._prepare_or_fail(op)
         self._submit()
+
+    def _prepare_or_fail(self, op: IoOp) -> bool:
+        """Put ``op`` in the ring; if that fails, finish it with the error (never lose it)."""
+        try:
+            self._prepare(op)
+        except Exception as exc:
+            op.error = exc if isinstance(exc, OSError) else OSError(errno.EIO, repr(exc))
+            op.finish()
+            return False
+        return True
 
     def _prepare(self, op: IoOp) -> None:
         lib = self._lib
@@ -173,8 +183,15 @@ class UringBackend(IoBackend):
     def _submit(self) -> None:
         if not self._unsubmitted:
             return
+        try:
+            self._lib.io_uring_submit(self._ring)
+        except OSError as exc:
+            # EAGAIN/EBUSY (no room for completions yet): the entries stay queued in
+            # the ring and the next completion's pump submits them again.
+            if exc.errno not in (errno.EAGAIN, errno.EBUSY, errno.EINTR) or not self._inflight:
+                raise
+            return
         self._unsubmitted = 0
-        self._lib.io_uring_submit(self._ring)
 
     # -- completion ---------------------------------------------------------------------
 
@@ -202,23 +219,27 @@ class UringBackend(IoBackend):
                 self._inflight_writes -= 1
             if self._complete(op, res):
                 finished.append(op)
-        # Refill the ring first: completion hooks (checksums) then run while the device works.
-        self._pump()
-        for op in finished:
-            op.finish()
+        # Refill the ring first: completion hooks (checksums) then run while the device
+        # works. The collected ops finish even if refilling fails.
+        try:
+            self._pump()
+        finally:
+            for op in finished:
+                op.finish()
 
     def _complete(self, op: IoOp, res: int) -> bool:
         """Record a completion; False when the op was resubmitted (short or interrupted)."""
         if res < 0:
             code = -res
             if code in (errno.EINTR, errno.EAGAIN):
-                self._prepare(op)  # transient: resubmit the same remainder
+                # transient: resubmit the same remainder (a failed resubmission finishes it)
+                self._prepare_or_fail(op)
                 return False
             op.error = OSError(code, os.strerror(code))
         elif op.kind is not OpKind.FSYNC:
             op.done += res
             if res > 0 and op.done < op.nbytes:
-                self._prepare(op)  # short transfer: submit the remainder
+                self._prepare_or_fail(op)  # short transfer: submit the remainder
                 return False
             if res == 0 and op.kind is OpKind.WRITE and op.done < op.nbytes:
                 op.error = OSError(errno.EIO, f"write moved nothing at offset {op.offset}")
