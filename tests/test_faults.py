@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import time
 from collections.abc import Iterable
 
 import pytest
@@ -169,6 +170,36 @@ class ZerosForMissing(MemoryTier):
             into[:] = bytes(len(into))
 
 
+class ThreadedWithoutWaiting(AsyncTier):
+    """Broken: hands buffers to threads and lets a cancellation (or return) outrun them."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[OffloadKey, bytes] = {}
+
+    async def contains(self, key: OffloadKey) -> bool:
+        return key in self.blocks
+
+    async def read(self, key: OffloadKey, into: memoryview) -> None:
+        block = self.blocks.get(key)
+        if block is None:
+            raise BlockNotFound(key)
+
+        def late_copy() -> None:
+            time.sleep(0.005)
+            into[:] = block
+
+        await asyncio.to_thread(late_copy)
+
+    async def write(self, key: OffloadKey, data: memoryview) -> None:
+        self.blocks[key] = bytes(data)
+
+        def late_look() -> None:  # e.g. a copy finished in the background
+            time.sleep(0.005)
+            self.blocks[key] = bytes(data)
+
+        asyncio.get_running_loop().run_in_executor(None, late_look)
+
+
 class NoList(MemoryTier):
     async def list_keys(self) -> Iterable[OffloadKey]:
         return ["not bytes"]  # type: ignore[list-item]
@@ -182,6 +213,13 @@ async def test_the_kit_catches_torn_writes() -> None:
 async def test_the_kit_catches_a_missing_key_served_as_zeros() -> None:
     outcome = await run_check("missing_key", ZerosForMissing)
     assert not outcome.passed and "BlockNotFound" in outcome.detail
+
+
+async def test_the_kit_catches_buffers_used_after_their_operation_ended() -> None:
+    outcome = await run_check("cancelled_read", ThreadedWithoutWaiting)
+    assert not outcome.passed and "wrote into its buffer after it ended" in outcome.detail
+    outcome = await run_check("buffers_released_after_write", ThreadedWithoutWaiting)
+    assert not outcome.passed and "read a write's buffer after the write ended" in outcome.detail
 
 
 async def test_the_kit_catches_a_tier_blocking_the_loop() -> None:

@@ -31,7 +31,11 @@ see each other's blocks even on a shared medium. The checks (:data:`CHECKS`):
 ``cancelled_write``       a write cancelled at any point leaves the block absent
                           or complete, never readable with partial bytes (also
                           for an overwrite: old or new bytes, nothing else).
-``cancelled_read``        a read cancelled at any point leaves the stored block intact.
+``cancelled_read``        a read cancelled at any point leaves the stored block intact,
+                          and nothing writes into its buffer once it has ended.
+``buffers_released_after_write``  once a write returned or was cancelled, its
+                          source buffer is the caller's: reusing it at once never
+                          changes what the tier stores.
 ``touch_and_list``        ``touch`` of present and absent keys is no error;
                           ``list_keys`` returns keys.
 ``close_idempotent``      ``aclose`` twice is no error.
@@ -324,14 +328,44 @@ async def _cancelled_write(kit: _Kit, tier: AsyncTier) -> None:
         assert got in (old, new), f"a cancelled overwrite left mixed bytes {where}"
 
 
+#: How long the buffer checks watch a buffer after its operation ended.
+_AFTERLIFE_S = 0.03
+
+
 @_check
 async def _cancelled_read(kit: _Kit, tier: AsyncTier) -> None:
     key, data = kit.key(), kit.data()
     await tier.write(key, memoryview(data))
+    sentinel = b"\xa5" * kit.options.block_bytes
     for steps, wall_s in _CANCEL_POINTS:
         into = bytearray(kit.options.block_bytes)
         await _cancel_after(tier.read(key, memoryview(into)), steps, wall_s)
+        where = f"(cancelled after {steps} loop turns + {wall_s * 1e3:.1f} ms)"
+        # The buffer is the caller's again: nothing (a thread, the kernel) may write it now.
+        into[:] = sentinel
+        await asyncio.sleep(_AFTERLIFE_S)
+        assert into == sentinel, f"a cancelled read wrote into its buffer after it ended {where}"
         assert await kit.read_back(tier, key) == data, "a cancelled read damaged the stored block"
+
+
+@_check
+async def _buffers_released_after_write(kit: _Kit, tier: AsyncTier) -> None:
+    """A write's source buffer is the caller's once the write returns or is cancelled."""
+    for steps, wall_s in [(0, 0.0), (2, 0.0), (0, 0.002), (None, 0.0)]:
+        key, data = kit.key(), kit.data()
+        source = bytearray(data)
+        if steps is None:
+            await tier.write(key, memoryview(source))
+        else:
+            await _cancel_after(tier.write(key, memoryview(source)), steps, wall_s)
+        source[:] = b"\x5a" * kit.options.block_bytes  # reused for another block at once
+        await asyncio.sleep(_AFTERLIFE_S)
+        try:
+            got = await kit.read_back(tier, key)
+        except BlockNotFound:
+            assert steps is not None, "a completed write is not readable"
+            continue
+        assert got == data, "the tier read a write's buffer after the write ended"
 
 
 @_check
@@ -494,6 +528,7 @@ CHECKS: dict[str, Callable[[_Kit], Awaitable[None]]] = {
     "delete": _delete,
     "cancelled_write": _cancelled_write,
     "cancelled_read": _cancelled_read,
+    "buffers_released_after_write": _buffers_released_after_write,
     "touch_and_list": _touch_and_list,
     "close_idempotent": _close_idempotent,
     "persistence": _persistence,
