@@ -199,3 +199,40 @@ def test_builtin_names_are_lazy_strings() -> None:
     assert BUILTIN_TIERS["fs"] == "tiers.fs:FileSystemTier"
     assert BUILTIN_TIERS["redis"] == "tiers.redis:RedisTier"
     assert resolve_tier_class("memory") is MemoryTier
+
+
+def test_entries_written_for_vllm_run_our_tiers_without_vllm(
+    view: memoryview, created: list[AsyncTierManager], tmp_path: Any
+) -> None:
+    import sys
+
+    vllm_entry = {
+        "type": "KVTieringMemoryTier",
+        "module_path": "tiering.integrations.vllm",
+        "capacity_blocks": 3,
+        "medium": "CPU",  # what vLLM reports: meaningless outside vLLM, dropped
+        "job_timeout_s": 5,
+    }
+    manager = create_secondary_tier(vllm_entry, view, position=0)
+    created.append(manager)
+    assert isinstance(manager.tier, MemoryTier) and manager.tier.capacity_blocks == 3
+    assert manager.name == "memory-0"
+    generic = {
+        "type": "KVTieringTier",
+        "module_path": "tiering.integrations.vllm",
+        "tier": "fs",
+        "root_dir": str(tmp_path),
+        "capacity_bytes": "1MiB",
+    }
+    manager = create_secondary_tier(generic, view, position=1)
+    created.append(manager)
+    assert manager.tier_type == "fs"
+    assert "vllm" not in sys.modules, "reading a vLLM-style entry must not import vLLM"
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[2\]: KVTieringTier needs a 'tier'"):
+        create_secondary_tier({**generic, "tier": None}, view, position=2)
+    with pytest.raises(ConfigError, match="always runs our 'redis' tier"):
+        create_secondary_tier(
+            {"type": "KVTieringRedisTier", "module_path": "tiering.integrations.vllm", "tier": "x"},
+            view,
+            position=3,
+        )

@@ -181,6 +181,43 @@ def tier_options(tier_class: type[AsyncTier]) -> tuple[list[str], list[str], boo
     return accepted, required, takes_any
 
 
+#: The vLLM adapter classes (``tiering.integrations.vllm``) and the tier each runs.
+_VLLM_ADAPTER_MODULE = "tiering.integrations.vllm"
+_VLLM_ADAPTER_TIERS = {
+    "KVTieringFileSystemTier": "fs",
+    "KVTieringRedisTier": "redis",
+    "KVTieringMemoryTier": "memory",
+    "KVTieringTier": None,  # the ``tier`` option names it
+}
+#: Options only the vLLM adapter reads (what vLLM reports), meaningless here.
+_VLLM_ADAPTER_OPTIONS = ("medium", "locality", "enable_kv_events")
+
+
+def from_vllm_entry(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A ``secondary_tiers`` entry written for vLLM (our adapter classes) as our own entry.
+
+    ``{"type": "KVTieringFileSystemTier", "module_path": "tiering.integrations.vllm",
+    ...}`` becomes ``{"type": "fs", ...}`` (``KVTieringTier``'s ``tier`` option
+    gives the type), so the same config file serves vLLM and ``tiering replay``
+    without importing vLLM. Any other entry is returned as it is.
+    """
+    if not isinstance(config, Mapping) or config.get("module_path") != _VLLM_ADAPTER_MODULE:
+        return config
+    type_name = config.get("type")
+    if type_name not in _VLLM_ADAPTER_TIERS:
+        return config
+    ours = {
+        k: v for k, v in config.items() if k not in ("module_path", *_VLLM_ADAPTER_OPTIONS)
+    }
+    fixed = _VLLM_ADAPTER_TIERS[type_name]
+    ours["type"] = fixed if fixed is not None else ours.pop("tier", None)
+    if not ours["type"]:
+        raise ConfigError(f"{type_name} needs a 'tier' option naming the tier type to run")
+    if fixed is not None and "tier" in ours:
+        raise ConfigError(f"{type_name} always runs our {fixed!r} tier; drop the 'tier' option")
+    return ours
+
+
 def check_tier_config(
     config: Mapping[str, Any], *, position: int
 ) -> tuple[type[AsyncTier], dict[str, Any], str]:
@@ -189,9 +226,15 @@ def check_tier_config(
     Resolves the type and checks the option names against the tier class's
     constructor (unknown options, missing required ones). Returns the class,
     the tier's own options and the entry's description for messages. Values
-    are checked by the class itself when it is constructed.
+    are checked by the class itself when it is constructed. An entry written
+    for vLLM's ``module_path`` with our adapter classes is read as our own
+    (see :func:`from_vllm_entry`).
     """
     where = f"secondary_tiers[{position}]"
+    try:
+        config = from_vllm_entry(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where} must be a dict with a 'type' key, got {config!r}")
     if "type" not in config:
@@ -233,6 +276,7 @@ def create_secondary_tier(
     started; an error opening the tier propagates as the tier raised it.
     """
     tier_class, options, where = check_tier_config(config, position=position)
+    config = from_vllm_entry(config)
     type_name = config["type"]
     try:
         tier = tier_class(**options)
@@ -262,6 +306,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FRAMEWORK_KEYS",
     "check_tier_config",
+    "from_vllm_entry",
     "create_secondary_tier",
     "known_tier_types",
     "register_tier_type",
