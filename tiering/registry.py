@@ -206,9 +206,7 @@ def from_vllm_entry(config: Mapping[str, Any]) -> Mapping[str, Any]:
     type_name = config.get("type")
     if type_name not in _VLLM_ADAPTER_TIERS:
         return config
-    ours = {
-        k: v for k, v in config.items() if k not in ("module_path", *_VLLM_ADAPTER_OPTIONS)
-    }
+    ours = {k: v for k, v in config.items() if k not in ("module_path", *_VLLM_ADAPTER_OPTIONS)}
     fixed = _VLLM_ADAPTER_TIERS[type_name]
     ours["type"] = fixed if fixed is not None else ours.pop("tier", None)
     if not ours["type"]:
