@@ -511,12 +511,21 @@ def test_metrics_go_to_the_default_registry_with_unique_names() -> None:
 
 
 def test_metrics_names_are_unique_per_registry() -> None:
-    registry = pytest.importorskip("prometheus_client").CollectorRegistry()
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    other = prometheus_client.CollectorRegistry()
     one, _, _ = build(tiers=(), metrics_registry=registry, name="same")
     two, _, _ = build(tiers=(), metrics_registry=registry, name="same")
-    with one, two:
-        assert one.metrics_name == "same"
-        assert two.metrics_name == "same"  # separate collectors in a custom registry
+    elsewhere, _, _ = build(tiers=(), metrics_registry=other, name="same")
+    with one, two, elsewhere:
+        assert (one.metrics_name, two.metrics_name) == ("same", "same-2")
+        assert elsewhere.metrics_name == "same"  # another registry: no clash
+        one.step()
+        two.step()
+        for name in ("same", "same-2"):  # one series each: no duplicate samples
+            assert registry.get_sample_value("kv_tiering_lookups_total", {"manager": name}) == 0
+    # Every manager gone: the registry no longer holds our collector.
+    assert registry.get_sample_value("kv_tiering_lookups_total", {"manager": "same"}) is None
 
 
 # -- shutdown -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ Metric names start with ``kv_tiering_``; per-tier series carry the labels
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -175,6 +176,30 @@ _default_collector: _Collector | None = None
 _default_lock = threading.Lock()
 
 
+#: One collector per custom registry, so manager names are unique within each registry.
+_per_registry: weakref.WeakKeyDictionary[Any, _Collector] = weakref.WeakKeyDictionary()
+
+
+def _collector_for(registry: Any) -> _Collector:
+    """The collector of ``registry`` (registered with it on first use)."""
+    with _default_lock:
+        collector = _per_registry.get(registry)
+        if collector is None:
+            collector = _Collector()
+            registry.register(collector)
+            _per_registry[registry] = collector
+        return collector
+
+
+def _release_collector(registry: Any, collector: _Collector, name: str) -> None:
+    """Drop ``name``; unregister the collector once no manager uses it."""
+    with _default_lock:
+        collector.discard(name)
+        if not len(collector) and _per_registry.get(registry) is collector:
+            del _per_registry[registry]
+            registry.unregister(collector)
+
+
 def _default() -> _Collector:
     """The process-wide collector, registered once with ``prometheus_client.REGISTRY``."""
     global _default_collector
@@ -205,8 +230,7 @@ class MetricsExport:
         if registry is None:
             self._collector = _default()
         else:
-            self._collector = _Collector()
-            registry.register(self._collector)
+            self._collector = _collector_for(registry)
             self._own_registry = registry
         self.name = self._collector.add(self, name)
 
@@ -224,7 +248,8 @@ class MetricsExport:
         collector, self._collector = self._collector, None
         if collector is None:
             return
-        collector.discard(self.name)
         if self._own_registry is not None:
-            self._own_registry.unregister(collector)
+            _release_collector(self._own_registry, collector, self.name)
             self._own_registry = None
+        else:
+            collector.discard(self.name)

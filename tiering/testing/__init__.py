@@ -9,7 +9,8 @@
   ``ReferenceLRU``, ``ReferenceARC``).
 
 Names are re-exported lazily, so importing one helper never imports the
-others' dependencies (Hypothesis, the runtime).
+others' dependencies (Hypothesis, the runtime). ``pip install
+'kv-tiering[testing]'`` installs what they need (Hypothesis, pytest).
 """
 
 from __future__ import annotations
