@@ -338,3 +338,35 @@ async def test_a_write_waiting_for_room_fails_when_the_tier_closes(tmp_path: Pat
             await waiting
         with contextlib.suppress(Exception):
             await holding
+
+
+@pytest.mark.parametrize("durability", ["none", "periodic", "fsync"])
+async def test_durability_policies_sync_what_they_promise(tmp_path: Path, durability: str) -> None:
+    from tests.fs_support import FaultyFsTier
+    from tiers.fs.io import IoOp
+
+    tier = FaultyFsTier(
+        root_dir=tmp_path, capacity_bytes="16MiB", durability=durability, sync_interval_s=3600
+    )
+    seen: list[tuple[str, str]] = []
+    async with opened(tmp_path, tier=tier):
+        journal_fd = tier._state().journal._fd
+
+        def record(op: IoOp) -> None:
+            seen.append(("journal" if op.fd == journal_fd else "slab", op.kind.name))
+
+        tier.rule = record  # type: ignore[method-assign,assignment]
+        await write_keys(tier, [key(1), key(2)])
+        when_acknowledged = list(seen)
+    assert ("slab", "WRITE") in when_acknowledged
+    syncs = [entry for entry in when_acknowledged if entry[1] == "FSYNC"]
+    if durability == "fsync":
+        # Data first, then the journal record that makes the blocks visible, then its sync.
+        slab_sync = when_acknowledged.index(("slab", "FSYNC"))
+        record_write = when_acknowledged.index(("journal", "WRITE"), slab_sync)
+        assert ("journal", "FSYNC") in when_acknowledged[record_write:]
+        assert when_acknowledged.index(("slab", "WRITE")) < slab_sync
+    else:
+        assert syncs == [], f"{durability}: nothing is synced before the write is acknowledged"
+    if durability != "none":  # closing syncs what is outstanding
+        assert ("journal", "FSYNC") in seen[len(when_acknowledged) :] or syncs

@@ -13,7 +13,7 @@ from tiering.errors import BlockNotFound, ConfigError
 from tiering.keys import OffloadKey
 from tiering.testing.conformance import conformance_tests
 from tiering.tier import TierContext
-from tiers.memory import MemoryTier
+from tiers.memory import ExampleTier, MemoryTier
 
 # Memory does not survive aclose: the kit's persistence check does not apply.
 NOT_PERSISTENT = ("persistence",)
@@ -30,6 +30,12 @@ globals().update(
         lambda: MemoryTier(capacity_bytes=1000 * 16384, eviction_policy="arc"),
         prefix="test_arc_",
         skip=NOT_PERSISTENT,
+    )
+)
+# The seed's "example" type, as configured by the seed's sample config.
+globals().update(
+    conformance_tests(
+        lambda: ExampleTier(custom_param=67), prefix="test_example_", skip=NOT_PERSISTENT
     )
 )
 # Large blocks take the numpy (GIL-free) copy path of the bounded arena.

@@ -132,7 +132,12 @@ class FaultyTier(AsyncTier):
 
     ``max_concurrency``, ``shared`` and ``capacity_blocks`` are the inner
     tier's; blocks the inner tier reports removed are reported through this
-    wrapper. ``seed`` makes the fault sequence reproducible.
+    wrapper. ``verifies_reads`` stays False whatever the inner tier's: silent
+    damage is injected after the inner tier's own checks, so the runtime must
+    verify (set it on the instance to test a verifying tier's own detection).
+    Batch calls run through the single-key operations (faults are decided per
+    key), not the inner tier's batch forms. ``seed`` makes the fault sequence
+    reproducible.
     """
 
     def __init__(
