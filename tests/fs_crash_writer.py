@@ -11,7 +11,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from tests.fs_support import BLOCK, key, opened, write_keys
+from tests.fs_support import BLOCK, Rows, block_data, key, opened
 
 
 def index_of(k: bytes) -> int:
@@ -31,11 +31,16 @@ async def main(root: Path, capacity_blocks: int, durability: str, backend: str) 
 
         async def writer(batch: int) -> None:
             nonlocal next_index
+            # Page-aligned rows, like the primary tier's: the O_DIRECT-from-row path.
+            rows = Rows(batch).rows(batch)
             while True:
                 first = next_index
                 next_index += batch
                 indices = list(range(first, first + batch))
-                await write_keys(tier, [key(i) for i in indices])
+                keys = [key(i) for i in indices]
+                for row, k in zip(rows, keys, strict=True):
+                    row[:] = block_data(k)
+                await tier.write_many(keys, rows)
                 print("ACK", *indices, flush=True)
 
         await asyncio.gather(writer(3), writer(8), writer(16))

@@ -68,14 +68,18 @@ def run_and_kill(
 
 
 @pytest.mark.parametrize(
-    ("capacity", "durability", "acks"),
-    [(4096, "none", 40), (64, "none", 60), (64, "fsync", 25)],
-    ids=["no-eviction", "eviction", "eviction-fsync"],
+    ("capacity", "durability", "acks", "backend"),
+    [
+        (4096, "none", 40, BACKENDS[-1]),
+        (64, "none", 60, BACKENDS[-1]),
+        (64, "fsync", 25, BACKENDS[-1]),
+        (64, "none", 40, "threads"),
+    ],
+    ids=["no-eviction", "eviction", "eviction-fsync", "eviction-threads"],
 )
 async def test_recovery_after_sigkill_mid_stream(
-    tmp_path: Path, capacity: int, durability: str, acks: int
+    tmp_path: Path, capacity: int, durability: str, acks: int, backend: str
 ) -> None:
-    backend = BACKENDS[-1]
     acked, evicted = run_and_kill(tmp_path, capacity, durability, backend, acks)
     async with opened(tmp_path, capacity_bytes=capacity * BLOCK) as tier:
         recovered = {int.from_bytes(k[:8], "big") for k in await tier.list_keys()}
