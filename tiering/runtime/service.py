@@ -73,6 +73,9 @@ class _Job:
     abandoned: bool = False  # its operation ignored cancellation past cancel_grace_s
     published: bool = False
     done_keys: int = 0
+    # A load that failed only because blocks were gone (evicted since the lookup):
+    # normal for a bounded or shared tier, logged quietly.
+    only_missing: bool = False
 
 
 @dataclass(slots=True)
@@ -420,19 +423,27 @@ class TierService:
 
     async def _load(self, job: _Job) -> JobResult:
         keys = job.meta.keys
-        # A private tier's presence view is authoritative: fail fast without I/O
-        # (a key with an operation in flight is judged once that operation ends).
+        # A private tier's presence view is authoritative: a job with nothing to read
+        # fails without I/O (a key with an operation in flight is judged once that
+        # operation ends); one missing some keys loads the others (a partial result:
+        # a block evicted since the lookup must not cost the rest of the promotion).
         missing = self._missing(keys, self._claims)
-        if missing:
+        if len(missing) == len(keys):
             return self._missing_result(job, missing)
         mine = await self._claim(keys)
         batch = _Batch()
         try:
             missing = self._missing(keys, {})
-            if missing:
+            if len(missing) == len(keys):
                 return self._missing_result(job, missing)
+            todo = list(range(len(keys)))
+            if missing:
+                absent = set(missing)
+                todo = [i for i in todo if keys[i] not in absent]
+                for key in missing:
+                    batch.errors[key] = BlockNotFound(key)
             started = time.monotonic()
-            await self._transfer(job, list(range(len(keys))), batch, load=True)
+            await self._transfer(job, todo, batch, load=True)
             elapsed = time.monotonic() - started
         finally:
             self._release(keys, mine)
@@ -448,6 +459,7 @@ class TierService:
         counters.load_seconds += elapsed
         if batch.errors:
             self._forget_unreadable(batch.errors)
+            job.only_missing = all(isinstance(e, BlockNotFound) for e in batch.errors.values())
             return JobResult(
                 job.meta.job_id,
                 False,
@@ -478,6 +490,7 @@ class TierService:
 
     def _missing_result(self, job: _Job, missing: list[OffloadKey]) -> JobResult:
         self.counters.missing_reads += len(missing)
+        job.only_missing = True
         return JobResult(
             job.meta.job_id,
             False,
@@ -647,7 +660,8 @@ class TierService:
             self.counters.jobs_succeeded += 1
         else:
             self.counters.jobs_failed += 1
-            logger.warning(
+            logger.log(
+                logging.INFO if job.only_missing else logging.WARNING,
                 "tier %s: %s job %d failed: %s",
                 self.name,
                 "load" if job.is_load else "store",
