@@ -580,3 +580,29 @@ def test_rows_hold_what_the_gpu_wrote() -> None:
     write_row(primary, 1, pattern(key(9)))
     assert read_row(primary, 1) == pattern(key(9))
     primary.shutdown()
+
+
+def test_a_block_gone_from_its_tier_is_a_routine_miss_not_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from tiering.errors import BlockNotFound
+
+    k = key(1)
+
+    def gone(op: str, missing: bytes) -> BaseException:
+        return BlockNotFound(missing)
+
+    evicted_behind_our_back = FaultyTier(
+        MemoryTier(), FaultPlan(error_rate=1.0, error=gone, ops={"read"}, keys={k})
+    )
+    manager, _, _ = build(num_blocks=4, tiers=(evicted_behind_our_back,))
+    with manager:
+        store(manager, [k])
+        evict_from_primary(manager, [k])
+        caplog.set_level(logging.INFO, logger="tiering")
+        assert promote(manager, [k]) == [None]
+        assert manager.lookup(k, NO_CONTEXT) is False  # a miss, then recomputed
+        assert "promotion of 1 block(s) failed" in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -48,7 +48,9 @@ class JobResult:
 
     The seed's two fields come first; the rest are optional details: which
     keys were transferred (a failed job may still have moved some), the bytes
-    and seconds it took, and for a failure a one-line reason.
+    and seconds it took, for a failure a one-line reason, and whether it
+    failed only because blocks were no longer in the tier (evicted or expired
+    since the lookup: routine for a bounded or shared tier, not a fault).
     """
 
     job_id: JobId
@@ -57,6 +59,7 @@ class JobResult:
     transfer_bytes: int = 0
     transfer_time: float = 0.0
     error: str | None = None
+    only_missing_blocks: bool = False
 
 
 class SecondaryTierManager(ABC):

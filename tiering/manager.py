@@ -133,7 +133,11 @@ class _FailureLog:
         self._next_at: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def failed(self, tier: str, what: str, error: str | None) -> None:
+    def failed(self, tier: str, what: str, error: str | None, *, routine: bool = False) -> None:
+        """Log a failed job; ``routine`` ones (blocks gone from a tier) at INFO."""
+        if routine:
+            logger.info("tier %s: %s failed: %s", tier, what, error or "no reason given")
+            return
         now = time.monotonic()
         if now < self._next_at.get(tier, 0.0):
             self._suppressed[tier] += 1
@@ -704,7 +708,10 @@ class TieringOffloadingManager(OffloadingManager):
             primary.complete_store(failed, False)
             counters.failures += 1
             self._failure_log.failed(
-                counters.name, f"promotion of {len(failed)} block(s)", result.error
+                counters.name,
+                f"promotion of {len(failed)} block(s)",
+                result.error,
+                routine=result.only_missing_blocks,
             )
             if self._backoff_s > 0:
                 retry_at = self._clock() + self._backoff_s

@@ -467,6 +467,7 @@ class TierService:
                 transfer_bytes=nbytes,
                 transfer_time=elapsed,
                 error=_describe_errors(batch.errors, len(keys), "loaded"),
+                only_missing_blocks=job.only_missing,
             )
         return JobResult(
             job.meta.job_id,
@@ -497,6 +498,7 @@ class TierService:
             successful_keys=frozenset(),
             error=f"{len(missing)} of {len(job.meta.keys)} blocks are not in tier {self.name} "
             f"(first: {missing[0].hex()})",
+            only_missing_blocks=True,
         )
 
     def _forget_unreadable(self, errors: dict[OffloadKey, BaseException]) -> None:
