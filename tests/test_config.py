@@ -367,6 +367,16 @@ def test_a_misspelled_or_missing_tier_option_fails_at_construction(no_new_thread
         TieringOffloadingSpec({**BASE, "secondary_tiers": tiers}, block_bytes=4096)
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*missing required option"):
         TieringOffloadingSpec({**BASE, "secondary_tiers": [{"type": "fs"}]}, block_bytes=4096)
+    # The runtime's own keys are values the framework knows: checked here too.
+    bad_timeout = [{"type": "memory"}, {"type": "memory", "job_timeout_s": -1}]
+    with pytest.raises(
+        ConfigError, match=r"secondary_tiers\[1\].*job_timeout_s must be a positive number"
+    ):
+        TieringOffloadingSpec({**BASE, "secondary_tiers": bad_timeout}, block_bytes=4096)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*'name' must be a non-empty"):
+        TieringOffloadingSpec(
+            {**BASE, "secondary_tiers": [{"type": "memory", "name": ""}]}, block_bytes=4096
+        )
 
 
 def test_bad_tier_option_value_leaves_nothing_behind(no_new_threads: None) -> None:

@@ -47,6 +47,7 @@ from typing import Any
 
 from tiering.errors import ConfigError
 from tiering.runtime import AsyncTierManager
+from tiering.runtime.facade import check_runtime_options
 from tiering.tier import AsyncTier
 
 #: Built-in tier names and the classes they import lazily ("module:Class").
@@ -256,6 +257,13 @@ def check_tier_config(
     for key in required:
         if key not in options:
             raise ConfigError(f"{where}: missing required option {key!r} of {tier_class.__name__}")
+    name = config.get("name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    try:
+        check_runtime_options(**{k: config[k] for k in _MANAGER_OPTIONS if k in config})
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
     return tier_class, options, where
 
 
@@ -283,9 +291,7 @@ def create_secondary_tier(
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {tier_class.__name__} rejected its options: {exc}") from exc
     manager_options = {k: config[k] for k in _MANAGER_OPTIONS if k in config}
-    name = config.get("name", f"{type_name}-{position}")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
+    name = config.get("name") or f"{type_name}-{position}"  # null: the default
     try:
         return AsyncTierManager(
             tier,

@@ -15,7 +15,8 @@ block, from the config) derives the block bytes as vLLM does::
     manager = spec.get_manager()     # built once; spec.shutdown() shuts it down
 
 The constructor checks every key of the stack and, for each tier entry, its
-type and option names (unknown or missing options), raising a
+type, option names (unknown or missing options) and the runtime's own keys
+(``job_timeout_s``, ...), raising a
 :class:`~tiering.errors.ConfigError` naming the key before any memory is
 allocated or any tier is started. ``get_manager`` then builds the CPU primary
 tier, each secondary tier in order (a tier's option values are checked by its

@@ -109,37 +109,18 @@ class AsyncTierManager(SecondaryTierManager):
         super().__init__(primary_kv_view, tier_type)
         if not isinstance(tier, AsyncTier):
             raise TypeError(f"tier must be an AsyncTier, not {type(tier).__name__}")
-        for option, value in (
-            ("job_timeout_s", job_timeout_s),
-            ("open_timeout_s", open_timeout_s),
-            ("shutdown_timeout_s", shutdown_timeout_s),
-            ("cancel_grace_s", cancel_grace_s),
-            ("shared_absent_ttl_s", shared_absent_ttl_s),
-            ("shared_present_ttl_s", shared_present_ttl_s),
-        ):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
-        if (
-            not isinstance(failed_load_backoff_s, (int, float))
-            or isinstance(failed_load_backoff_s, bool)
-            or not failed_load_backoff_s >= 0
-        ):
-            raise ConfigError(
-                "failed_load_backoff_s must be a number of seconds >= 0, got "
-                f"{failed_load_backoff_s!r}"
-            )
-        if verify is not None and not isinstance(verify, bool):
-            raise ConfigError(f"verify must be true, false or null, got {verify!r}")
-        if (
-            not isinstance(shared_max_known_keys, int)
-            or isinstance(shared_max_known_keys, bool)
-            or shared_max_known_keys < 1
-        ):
-            raise ConfigError(
-                f"shared_max_known_keys must be a positive int, got {shared_max_known_keys!r}"
-            )
-        if not isinstance(max_events, int) or max_events < 0:
-            raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
+        check_runtime_options(
+            job_timeout_s=job_timeout_s,
+            open_timeout_s=open_timeout_s,
+            shutdown_timeout_s=shutdown_timeout_s,
+            cancel_grace_s=cancel_grace_s,
+            shared_absent_ttl_s=shared_absent_ttl_s,
+            shared_present_ttl_s=shared_present_ttl_s,
+            shared_max_known_keys=shared_max_known_keys,
+            max_events=max_events,
+            verify=verify,
+            failed_load_backoff_s=failed_load_backoff_s,
+        )
         self.name = name or tier_type
         self.tier = tier
         self.job_timeout_s = float(job_timeout_s)
@@ -487,6 +468,56 @@ class AsyncTierManager(SecondaryTierManager):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._outstanding)} jobs outstanding"
         return f"<AsyncTierManager {self.name!r} ({type(self.tier).__name__}) {state}>"
+
+
+def check_runtime_options(
+    *,
+    job_timeout_s: object = 30.0,
+    open_timeout_s: object = 30.0,
+    shutdown_timeout_s: object = 10.0,
+    cancel_grace_s: object = 1.0,
+    shared_absent_ttl_s: object = 5.0,
+    shared_present_ttl_s: object = 60.0,
+    shared_max_known_keys: object = 1_000_000,
+    max_events: object = 100_000,
+    verify: object = None,
+    failed_load_backoff_s: object = 0.0,
+) -> None:
+    """Check the runtime's options (a tier entry's framework keys) without building anything.
+
+    Raises :class:`~tiering.errors.ConfigError` naming the first bad one.
+    """
+    for option, value in (
+        ("job_timeout_s", job_timeout_s),
+        ("open_timeout_s", open_timeout_s),
+        ("shutdown_timeout_s", shutdown_timeout_s),
+        ("cancel_grace_s", cancel_grace_s),
+        ("shared_absent_ttl_s", shared_absent_ttl_s),
+        ("shared_present_ttl_s", shared_present_ttl_s),
+    ):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+    if (
+        not isinstance(failed_load_backoff_s, (int, float))
+        or isinstance(failed_load_backoff_s, bool)
+        or not failed_load_backoff_s >= 0
+    ):
+        raise ConfigError(
+            "failed_load_backoff_s must be a number of seconds >= 0, got "
+            f"{failed_load_backoff_s!r}"
+        )
+    if verify is not None and not isinstance(verify, bool):
+        raise ConfigError(f"verify must be true, false or null, got {verify!r}")
+    if (
+        not isinstance(shared_max_known_keys, int)
+        or isinstance(shared_max_known_keys, bool)
+        or shared_max_known_keys < 1
+    ):
+        raise ConfigError(
+            f"shared_max_known_keys must be a positive int, got {shared_max_known_keys!r}"
+        )
+    if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events < 0:
+        raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
 
 
 def _geometry(view: memoryview, block_bytes: int | None) -> tuple[memoryview, int, int]:
