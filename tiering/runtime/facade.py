@@ -503,8 +503,7 @@ def check_runtime_options(
         or not failed_load_backoff_s >= 0
     ):
         raise ConfigError(
-            "failed_load_backoff_s must be a number of seconds >= 0, got "
-            f"{failed_load_backoff_s!r}"
+            f"failed_load_backoff_s must be a number of seconds >= 0, got {failed_load_backoff_s!r}"
         )
     if verify is not None and not isinstance(verify, bool):
         raise ConfigError(f"verify must be true, false or null, got {verify!r}")
