@@ -219,12 +219,13 @@ def from_vllm_entry(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def check_tier_config(
     config: Mapping[str, Any], *, position: int
-) -> tuple[type[AsyncTier], dict[str, Any], str]:
+) -> tuple[type[AsyncTier], dict[str, Any], Mapping[str, Any], str]:
     """Check a ``secondary_tiers`` entry without building anything.
 
     Resolves the type and checks the option names against the tier class's
     constructor (unknown options, missing required ones). Returns the class,
-    the tier's own options and the entry's description for messages. Values
+    the tier's own options, the entry as our own (see below) and the entry's
+    description for messages. Values
     are checked by the class itself when it is constructed. An entry written
     for vLLM's ``module_path`` with our adapter classes is read as our own
     (see :func:`from_vllm_entry`).
@@ -264,7 +265,7 @@ def check_tier_config(
         check_runtime_options(**{k: config[k] for k in _MANAGER_OPTIONS if k in config})
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-    return tier_class, options, where
+    return tier_class, options, config, where
 
 
 def create_secondary_tier(
@@ -281,8 +282,7 @@ def create_secondary_tier(
     the position, the type and the offending key, before anything is
     started; an error opening the tier propagates as the tier raised it.
     """
-    tier_class, options, where = check_tier_config(config, position=position)
-    config = from_vllm_entry(config)
+    tier_class, options, config, where = check_tier_config(config, position=position)
     type_name = config["type"]
     try:
         tier = tier_class(**options)

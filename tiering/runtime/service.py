@@ -73,9 +73,6 @@ class _Job:
     abandoned: bool = False  # its operation ignored cancellation past cancel_grace_s
     published: bool = False
     done_keys: int = 0
-    # A load that failed only because blocks were gone (evicted since the lookup):
-    # normal for a bounded or shared tier, logged quietly.
-    only_missing: bool = False
 
 
 @dataclass(slots=True)
@@ -459,7 +456,6 @@ class TierService:
         counters.load_seconds += elapsed
         if batch.errors:
             self._forget_unreadable(batch.errors)
-            job.only_missing = all(isinstance(e, BlockNotFound) for e in batch.errors.values())
             return JobResult(
                 job.meta.job_id,
                 False,
@@ -467,7 +463,9 @@ class TierService:
                 transfer_bytes=nbytes,
                 transfer_time=elapsed,
                 error=_describe_errors(batch.errors, len(keys), "loaded"),
-                only_missing_blocks=job.only_missing,
+                only_missing_blocks=all(
+                    isinstance(e, BlockNotFound) for e in batch.errors.values()
+                ),
             )
         return JobResult(
             job.meta.job_id,
@@ -491,7 +489,6 @@ class TierService:
 
     def _missing_result(self, job: _Job, missing: list[OffloadKey]) -> JobResult:
         self.counters.missing_reads += len(missing)
-        job.only_missing = True
         return JobResult(
             job.meta.job_id,
             False,
@@ -663,7 +660,8 @@ class TierService:
         else:
             self.counters.jobs_failed += 1
             logger.log(
-                logging.INFO if job.only_missing else logging.WARNING,
+                # Blocks gone since the lookup: routine for a bounded or shared tier.
+                logging.INFO if result.only_missing_blocks else logging.WARNING,
                 "tier %s: %s job %d failed: %s",
                 self.name,
                 "load" if job.is_load else "store",

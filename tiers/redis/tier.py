@@ -240,49 +240,47 @@ class RedisTier(AsyncTier):
         succeeded: list[bytes] = []
         gone: list[OffloadKey] = []
         corrupt: list[OffloadKey] = []
-        # Cleared when this call ends: a reply parsed later (a node's pipeline that
-        # outlived a failed or cancelled round trip) must not write into ``into``.
-        live = [True]
-        try:
-            for lo, hi in self._chunks(len(keys)):
-                chunk = keys[lo:hi]
-                loads = [
-                    (layout.redis_key(k), _Load(k, dest, live))
-                    for k, dest in zip(chunk, into[lo:hi], strict=True)
-                ]
+        for lo, hi in self._chunks(len(keys)):
+            chunk = keys[lo:hi]
+            # Cleared once this chunk's round trip ends: a reply parsed later (a node's
+            # pipeline that outlived a failed or cancelled round trip) must not write
+            # into ``into``.
+            live = [True]
+            loads = [
+                (layout.redis_key(k), _Load(k, dest, live))
+                for k, dest in zip(chunk, into[lo:hi], strict=True)
+            ]
 
-                def fill(pipe: Any, loads: list[tuple[bytes, _Load]] = loads) -> None:
-                    for name, load in loads:
-                        if ttl_ms is None:
-                            pipe.execute_command("GET", name, kvt_load=load)
-                        else:
-                            pipe.execute_command("GETEX", name, "PX", ttl_ms, kvt_load=load)
-
-                try:
-                    replies = await self._round_trip("GET", fill)
-                except Exception as exc:
-                    errors.update(dict.fromkeys(chunk, exc))
-                    continue
-                for key, reply in zip(chunk, replies, strict=True):
-                    if reply is _LOADED:
-                        succeeded.append(key)
-                    elif isinstance(reply, BlockNotFound):
-                        gone.append(key)
-                        errors[key] = reply
-                    elif isinstance(reply, CorruptBlock):
-                        corrupt.append(key)
-                        errors[key] = reply
-                    elif isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
-                        corrupt.append(key)
-                        errors[key] = CorruptBlock(key, "the key holds a non-string value")
-                    elif isinstance(reply, BaseException):
-                        errors[key] = self._translate(reply, "GET", key)
+            def fill(pipe: Any, loads: list[tuple[bytes, _Load]] = loads) -> None:
+                for name, load in loads:
+                    if ttl_ms is None:
+                        pipe.execute_command("GET", name, kvt_load=load)
                     else:
-                        errors[key] = RuntimeError(
-                            f"unexpected reply to GET: {type(reply).__name__}"
-                        )
-        finally:
-            live[0] = False
+                        pipe.execute_command("GETEX", name, "PX", ttl_ms, kvt_load=load)
+
+            try:
+                replies = await self._round_trip("GET", fill)
+            except Exception as exc:
+                errors.update(dict.fromkeys(chunk, exc))
+                continue
+            finally:
+                live[0] = False
+            for key, reply in zip(chunk, replies, strict=True):
+                if reply is _LOADED:
+                    succeeded.append(key)
+                elif isinstance(reply, BlockNotFound):
+                    gone.append(key)
+                    errors[key] = reply
+                elif isinstance(reply, CorruptBlock):
+                    corrupt.append(key)
+                    errors[key] = reply
+                elif isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
+                    corrupt.append(key)
+                    errors[key] = CorruptBlock(key, "the key holds a non-string value")
+                elif isinstance(reply, BaseException):
+                    errors[key] = self._translate(reply, "GET", key)
+                else:
+                    errors[key] = RuntimeError(f"unexpected reply to GET: {type(reply).__name__}")
         self.stats.blocks_read += len(succeeded)
         self.stats.bytes_read += len(succeeded) * layout.block_bytes
         self.stats.read_failures += len(errors)
@@ -591,7 +589,7 @@ class _Load(NamedTuple):
 
     key: OffloadKey
     into: memoryview
-    live: list[bool]  # [False] once the read_many call that queued it has ended
+    live: list[bool]  # [False] once the round trip that queued it has ended
 
 
 async def _single(batch: Coroutine[Any, Any, None], key: OffloadKey) -> None:
