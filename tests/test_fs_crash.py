@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,49 +20,57 @@ def run_and_kill(
     root: Path, capacity: int, durability: str, backend: str, acks: int
 ) -> tuple[set[int], set[int]]:
     """Start the writer, SIGKILL it after ``acks`` acknowledged batches; (acked, evicted)."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.fs_crash_writer",
-            str(root),
-            str(capacity),
-            durability,
-            backend,
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    acked: set[int] = set()
-    evicted: set[int] = set()
-    batches = 0
+    # stderr goes to a file, so it can never fill a pipe nobody reads
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.fs_crash_writer",
+                str(root),
+                str(capacity),
+                durability,
+                backend,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        acked: set[int] = set()
+        evicted: set[int] = set()
+        batches = 0
 
-    def note(line: str) -> None:
-        nonlocal batches
-        word, *numbers = line.split() or [""]
-        if word == "ACK":
-            acked.update(map(int, numbers))
-            batches += 1
-        elif word == "DEL":
-            evicted.update(map(int, numbers))
+        def note(line: str) -> None:
+            nonlocal batches
+            word, *numbers = line.split() or [""]
+            if word == "ACK":
+                acked.update(map(int, numbers))
+                batches += 1
+            elif word == "DEL":
+                evicted.update(map(int, numbers))
 
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            note(line)
-            if batches >= acks:
-                proc.send_signal(signal.SIGKILL)  # mid-stream: other batches are in flight
-                break
-    finally:
-        proc.kill()
-        # Lines written before the kill: evictions (printed before their DEL record is
-        # journaled) and acknowledgements the loop above had not read yet.
-        rest, err = proc.communicate(timeout=30)
-        for line in rest.splitlines():
-            note(line)
+        stdout = proc.stdout
+        assert stdout is not None
+        try:
+            for line in stdout:
+                note(line)
+                if batches >= acks:
+                    proc.send_signal(signal.SIGKILL)  # mid-stream: other batches are in flight
+                    break
+        finally:
+            proc.kill()
+            # Lines written before the kill: evictions (printed before their DEL record is
+            # journaled) and acknowledgements not read yet. They are read through the same
+            # buffered reader: it may already hold some of them (it reads ahead), so reading
+            # the pipe's fd directly (as communicate() does) would lose those.
+            for line in stdout:
+                note(line)
+            stdout.close()
+            proc.wait(timeout=30)
+            errors.seek(0)
+            err = errors.read()
     assert batches >= acks, f"writer died early: {err}"
     assert proc.returncode == -signal.SIGKILL
     return acked, evicted

@@ -14,6 +14,17 @@ from tiers.fs.io.uring import UringBackend, uring_unavailable_reason
 logger = logging.getLogger(__name__)
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning(
+            "fs tier: io_uring is not usable here (%s); using the thread backend", reason
+        )
+
+
 def make_backend(
     name: str,
     loop: asyncio.AbstractEventLoop,
@@ -25,20 +36,26 @@ def make_backend(
 ) -> IoBackend:
     """Build the backend called ``name`` ("auto", "uring" or "threads").
 
-    "auto" picks io_uring for O_DIRECT files where the kernel and the
-    ``liburing`` package allow it, and the thread pool otherwise (logged).
-    Buffered files get the thread pool: io_uring punts buffered writes to
-    kernel workers that contend on the file (0.16 GB/s for 64 KiB blocks
-    here) and completes page-cache reads inside the submit call, holding the
-    GIL. "uring" where it is not available raises :class:`ConfigError`.
+    "auto" picks io_uring for O_DIRECT files where it passed its probe (see
+    :func:`uring_unavailable_reason`) and the thread pool otherwise, with one
+    WARNING per process saying why. Buffered files get the thread pool:
+    io_uring punts buffered writes to kernel workers that contend on the file
+    (0.16 GB/s for 64 KiB blocks here) and completes page-cache reads inside
+    the submit call. "uring" where it is not available raises
+    :class:`ConfigError` naming the reason. A ring that fails to start after a
+    good probe (a seccomp profile, a container without io_uring) falls back too
+    under "auto".
     """
     if name == "uring" or (name == "auto" and direct_io):
         reason = uring_unavailable_reason()
         if reason is None:
-            return UringBackend(loop, queue_depth)
+            try:
+                return UringBackend(loop, queue_depth)
+            except OSError as exc:
+                reason = f"the ring failed to start: {exc.strerror or exc}"
         if name == "uring":
             raise ConfigError(f"fs tier: io_backend='uring' is not available here: {reason}")
-        logger.info("fs tier: io_uring unavailable (%s); using the thread backend", reason)
+        _warn_once(reason)
     return ThreadBackend(loop, n_read_threads, n_write_threads)
 
 

@@ -1,9 +1,13 @@
-"""io_uring backend (PyPI ``liburing``): submissions and completions on the event loop.
+"""io_uring backend: submissions and completions on the tier's event loop.
 
-Completions are signalled through an eventfd registered on the ring and
-watched with ``loop.add_reader``, and drained with ``io_uring_peek_cqe``. The
-binding's blocking waits (``io_uring_wait_cqe``, ``submit_and_wait``) hold
-the GIL and would freeze every other thread, so they are never called.
+The ring is driven through the kernel's interface directly
+(:mod:`tiers.fs.io.kernel_ring`: no compiled binding, the GIL released for
+every syscall). Completions are signalled through an eventfd registered on the
+ring and watched with ``loop.add_reader``; nothing ever blocks the loop.
+
+Before a ring is used in this process, :func:`uring_unavailable_reason` has
+exercised the backend in a child process (:mod:`tiering.native_probe`), so a
+machine where it would crash the interpreter only loses the fast path.
 
 At most ``queue_depth`` ops are in the kernel at once; plain writes may
 occupy at most three quarters of them, so a load always finds room.
@@ -12,84 +16,99 @@ occupy at most three quarters of them, so a load always finds room.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
+import functools
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
-from typing import Any
 
+from tiering.native_probe import probe_in_child
 from tiers.fs.io.aligned import address_of
 from tiers.fs.io.backend import EventFd, IoBackend, wait_uncancelled
+from tiers.fs.io.kernel_ring import KernelRing, RingFull, ring_unsupported_reason
 from tiers.fs.io.ops import Dispatcher, IoOp, OpKind, Priority
 
 logger = logging.getLogger(__name__)
 
-try:
-    import liburing as _uring
-except ImportError:  # optional dependency: the thread backend is used instead
-    _uring = None
-
-# The binding's ``Iovec(list)`` takes a buffer export of every memoryview it is given and
-# never releases it (nor the reference): each op would leak a view and pin the primary
-# buffer forever. So iovecs are built from placeholder bytearrays (handled without the
-# buffer protocol) and their C array is then filled with the real addresses. The layout
-# (PyObject header, then ``usize len``, then ``struct iovec *``) is checked once at import.
-_PLACEHOLDER = bytearray()
-_IOVEC_ARRAY_OFFSET = 3  # in 8-byte words from the object's start: refcnt, type, len, array
+PROBE_NAME = "io_uring"
 
 
-def _iovec_array(iov: object, count: int) -> Any:
-    words = (ctypes.c_uint64 * 4).from_address(id(iov))
-    if words[2] != count:
-        raise RuntimeError("unexpected liburing Iovec layout")
-    return (ctypes.c_uint64 * (2 * count)).from_address(words[_IOVEC_ARRAY_OFFSET])
-
-
-def make_iovec(buffers: Sequence[memoryview]) -> object:
-    """A liburing ``Iovec`` over ``buffers`` that holds no export of them (keep them alive)."""
-    return iovec_from_spans([(address_of(buf), buf.nbytes) for buf in buffers])
-
-
-def iovec_from_spans(spans: Sequence[tuple[int, int]]) -> object:
-    """A liburing ``Iovec`` over ``(address, length)`` spans (the memory must stay alive)."""
-    assert _uring is not None
-    count = len(spans)
-    iov = _uring.Iovec([_PLACEHOLDER] * count)
-    _iovec_array(iov, count)[:] = [field for span in spans for field in span]
-    return iov
-
-
-def _iovec_layout_problem() -> str | None:
-    """Why :func:`make_iovec` would be unsafe with this liburing build (None: it is safe)."""
-    probe = bytearray(b"probe")
-    try:
-        iov = _uring.Iovec([probe])
-        fields = _iovec_array(iov, 1)
-        expected = [ctypes.addressof((ctypes.c_char * 5).from_buffer(probe)), 5]
-    except Exception as exc:
-        return f"unrecognised liburing Iovec layout ({exc})"
-    if list(fields) != expected:
-        return "unrecognised liburing Iovec layout"
-    return None
-
-
+@functools.cache
 def uring_unavailable_reason() -> str | None:
-    """Why io_uring cannot be used here (None when it can): missing package, kernel, seccomp."""
-    if _uring is None:
-        return "the 'liburing' package is not installed (pip install liburing)"
-    layout = _iovec_layout_problem()
-    if layout is not None:
-        return layout
-    ring = _uring.Ring()
+    """Why io_uring cannot be used in this process (None when it can).
+
+    Three steps, each only if the previous passed: the platform (Linux,
+    x86-64); the backend's whole read/write path run in a child process (a
+    crash there, e.g. SIGILL, costs only the child; the verdict is cached per
+    machine); a ring set up and torn down in this process (ENOSYS under an
+    emulator, EPERM under a seccomp profile). Memoised for the process.
+    """
+    reason = ring_unsupported_reason()
+    if reason is not None:
+        return reason
+    verdict = probe_in_child(PROBE_NAME, f"{__name__}:self_test")
+    if not verdict.ok:
+        return verdict.reason
     try:
-        _uring.io_uring_queue_init(4, ring, 0)
+        KernelRing(4).close()
     except OSError as exc:
-        return f"io_uring_setup failed: {exc.strerror or exc}"
-    except Exception as exc:  # the binding raises its own types for some failures
-        return f"io_uring_setup failed: {exc}"
-    _uring.io_uring_queue_exit(ring)
+        return f"io_uring_setup failed in this process: {exc.strerror or exc}"
     return None
+
+
+def self_test() -> None:
+    """Run the backend's exact I/O path once (in the probe's child process); raise on failure.
+
+    Writes and reads one block with a single buffer and with several, and
+    syncs, through :class:`UringBackend` on a private event loop, O_DIRECT where
+    the temporary directory's filesystem takes it, and checks every byte.
+    """
+    import mmap
+
+    block = 4096
+    with tempfile.TemporaryDirectory(prefix="kv-tiering-uring-probe-") as tmp:
+        path = os.path.join(tmp, "probe.bin")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        except OSError:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        source = mmap.mmap(-1, 3 * block)
+        target = mmap.mmap(-1, 3 * block)
+        try:
+            os.ftruncate(fd, 3 * block)
+            source[:] = os.urandom(3 * block)
+            src, dst = memoryview(source), memoryview(target)
+
+            async def exercise() -> None:
+                backend = UringBackend(asyncio.get_running_loop(), queue_depth=4)
+                try:
+                    ops = [
+                        IoOp(OpKind.WRITE, fd, 0, [src[:block]]),
+                        IoOp(OpKind.WRITE, fd, block, [src[block : 2 * block], src[2 * block :]]),
+                    ]
+                    await backend.run(ops)
+                    await backend.run([IoOp(OpKind.FSYNC, fd)])
+                    reads = [
+                        IoOp(OpKind.READ, fd, 0, [dst[:block]]),
+                        IoOp(OpKind.READ, fd, block, [dst[block : 2 * block], dst[2 * block :]]),
+                    ]
+                    await backend.run(reads)
+                    for op in ops + reads:
+                        if not op.ok:
+                            raise OSError(errno.EIO, f"probe op did not complete: {op!r}")
+                finally:
+                    await backend.aclose()
+
+            asyncio.run(exercise())
+            if dst != src:
+                raise OSError(errno.EIO, "io_uring read back other bytes than it wrote")
+            src.release()
+            dst.release()
+        finally:
+            source.close()
+            target.close()
+            os.close(fd)
 
 
 class UringBackend(IoBackend):
@@ -99,30 +118,28 @@ class UringBackend(IoBackend):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue_depth: int) -> None:
         super().__init__(loop)
-        if _uring is None:
-            raise RuntimeError(uring_unavailable_reason())
-        self._lib: Any = _uring
         self._depth = queue_depth
         self._write_cap = max(1, queue_depth - max(1, queue_depth // 4))
         entries = 1
         while entries < 2 * queue_depth:
             entries *= 2
-        self._ring = self._lib.Ring()
-        self._cqe = self._lib.Cqe()
-        self._lib.io_uring_queue_init(entries, self._ring, 0)
-        self._wakeup = EventFd()
+        self._ring = KernelRing(entries)
         try:
-            self._lib.io_uring_register_eventfd(self._ring, self._wakeup.fd)
+            self._wakeup = EventFd()
         except BaseException:
-            self._lib.io_uring_queue_exit(self._ring)
+            self._ring.close()
+            raise
+        try:
+            self._ring.register_eventfd(self._wakeup.fd)
+        except BaseException:
+            self._ring.close()
             self._wakeup.close()
             raise
         self._dispatch = Dispatcher()
-        # user_data -> (op, iovec kept alive until the kernel is done with it)
-        self._inflight: dict[int, tuple[IoOp, object]] = {}
+        # user_data -> (op, iovec array kept alive until the kernel is done with it)
+        self._inflight: dict[int, tuple[IoOp, bytearray | None]] = {}
         self._inflight_writes = 0
         self._next_id = 1
-        self._unsubmitted = 0
         loop.add_reader(self._wakeup.fd, self._on_ready)
 
     # -- dispatch -----------------------------------------------------------------------
@@ -155,62 +172,47 @@ class UringBackend(IoBackend):
         return True
 
     def _prepare(self, op: IoOp) -> None:
-        lib = self._lib
-        sqe = lib.io_uring_get_sqe(self._ring)
-        if sqe is None:  # submission queue full: flush it and retry once
-            self._submit()
-            sqe = lib.io_uring_get_sqe(self._ring)
-            if sqe is None:
-                raise RuntimeError("io_uring submission queue is full")
-        iov: object = None
-        if op.kind is OpKind.FSYNC:
-            lib.io_uring_prep_fsync(sqe, op.fd, lib.IORING_FSYNC_DATASYNC)
-        else:
-            if op.addresses is not None:
-                iov = iovec_from_spans(op.remaining_spans())
-            else:
-                iov = make_iovec(op.remaining())
-            prep = lib.io_uring_prep_readv if op.kind is OpKind.READ else lib.io_uring_prep_writev
-            prep(sqe, op.fd, iov, op.offset + op.done)
         user_data = self._next_id
+        try:
+            iov = self._prepare_entry(op, user_data)
+        except RingFull:  # submission queue full: hand it to the kernel and retry once
+            self._submit()
+            try:
+                iov = self._prepare_entry(op, user_data)
+            except RingFull:
+                raise RuntimeError("io_uring submission queue is full") from None
         self._next_id += 1
-        sqe.user_data = user_data
         self._inflight[user_data] = (op, iov)
         if op.priority is Priority.WRITE:
             self._inflight_writes += 1
-        self._unsubmitted += 1
+
+    def _prepare_entry(self, op: IoOp, user_data: int) -> bytearray | None:
+        if op.kind is OpKind.FSYNC:
+            self._ring.prepare_fdatasync(op.fd, user_data)
+            return None
+        if op.addresses is not None:
+            spans = op.remaining_spans()
+        else:
+            spans = [(address_of(buf), buf.nbytes) for buf in op.remaining()]
+        return self._ring.prepare_rw(
+            op.kind is OpKind.WRITE, op.fd, op.offset + op.done, spans, user_data
+        )
 
     def _submit(self) -> None:
-        if not self._unsubmitted:
-            return
         try:
-            self._lib.io_uring_submit(self._ring)
+            self._ring.submit()
         except OSError as exc:
             # EAGAIN/EBUSY (no room for completions yet): the entries stay queued in
             # the ring and the next completion's pump submits them again.
             if exc.errno not in (errno.EAGAIN, errno.EBUSY, errno.EINTR) or not self._inflight:
                 raise
-            return
-        self._unsubmitted = 0
 
     # -- completion ---------------------------------------------------------------------
 
     def _on_ready(self) -> None:
         self._wakeup.drain()
-        lib, ring, cqe = self._lib, self._ring, self._cqe
         finished: list[IoOp] = []
-        while True:
-            try:
-                lib.io_uring_peek_cqe(ring, cqe)
-            except BlockingIOError:
-                break
-            completion = cqe[0]
-            user_data = completion.user_data
-            try:
-                res = completion.res
-            except OSError as exc:  # the binding raises for a negative result
-                res = -(exc.errno or errno.EIO)
-            lib.io_uring_cqe_seen(ring, completion)
+        for user_data, res in self._ring.completions():
             entry = self._inflight.pop(user_data, None)
             if entry is None:
                 continue
@@ -261,5 +263,5 @@ class UringBackend(IoBackend):
         for batch in batches.values():
             await wait_uncancelled(batch.future)
         self._loop.remove_reader(self._wakeup.fd)
-        self._lib.io_uring_queue_exit(self._ring)
+        self._ring.close()
         self._wakeup.close()

@@ -1,0 +1,24 @@
+"""Self-test functions for tests of :mod:`tiering.native_probe` (run in its child process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+def succeeds() -> None:
+    """A path that works."""
+
+
+def raises() -> None:
+    raise OSError(95, "operation not supported by this fake accelerator")
+
+
+def crashes_with_sigill() -> None:
+    """What a binding built for AVX-512 does on a CPU without it."""
+    os.kill(os.getpid(), signal.SIGILL)
+
+
+def hangs() -> None:
+    time.sleep(3600)
