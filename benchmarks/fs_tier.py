@@ -13,10 +13,14 @@ under $TMPDIR):
   at once, completions polled. O_DIRECT (cold by construction: no page cache),
   and the buffered fallback cold (after fdatasync + ``posix_fadvise(DONTNEED)``)
   and warm (page cache);
-* the **raw ceiling**: plain O_DIRECT writes and reads of the same bytes, in
-  block-sized ops at the tier's queue depth, on a preallocated file: Python
-  io_uring, and fio (io_uring engine) where installed; the ratio uses the
-  better of the two. Raw and tier runs alternate ``--reps`` times (the virtual
+* per **I/O backend** (``--backend all``: io_uring where this machine can run it,
+  and threads), every row printed with the backend the tier really used;
+* the **raw ceiling** of each backend: plain O_DIRECT writes and reads of the
+  same bytes, in block-sized ops at the tier's queue depth, on a preallocated
+  file (uring: the tier's own kernel ring; threads: ``os.preadv``/``pwritev`` on
+  queue-depth threads), and fio (io_uring engine; installed with apt-get when
+  missing and possible) as the disk's ceiling beside it. "of raw" is against
+  the backend's own ceiling. Raw and tier runs alternate ``--reps`` times (the virtual
   disk serves recently written data faster, so each reads data written moments
   before) and medians are compared;
 * **CPU seconds per GB** (user+sys of this process, all threads; also without
@@ -38,11 +42,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import heapq
 import json
 import logging
 import mmap
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -132,49 +138,110 @@ def drop_cache(paths: list[Path]) -> None:
 
 
 def raw_uring(path: Path, block: int, total: int, depth: int, write: bool) -> Figure:
-    """O_DIRECT block-sized ops at queue depth ``depth`` with io_uring (blocking waits: no GIL
-    contention matters here, nothing else runs)."""
-    import liburing as uring
+    """O_DIRECT block-sized ops at queue depth ``depth`` through the same kernel ring the tier
+    uses, waiting in ``io_uring_enter`` (the GIL is released; nothing else runs here)."""
+    from tiers.fs.io.kernel_ring import KernelRing
 
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     buf = mmap.mmap(-1, depth * block)
     buf.write(os.urandom(depth * block))
-    view = memoryview(buf)
-    ring, cqe = uring.Ring(), uring.Cqe()
-    uring.io_uring_queue_init(2 * depth, ring, 0)
-    prep = uring.io_uring_prep_writev if write else uring.io_uring_prep_readv
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    ring = KernelRing(2 * depth)
     count = total // block
-    keep: dict[int, Any] = {}
     try:
         with measure(total) as figure:
             issued = done = 0
             while done < count:
                 while issued < count and issued - done < depth:
-                    sqe = uring.io_uring_get_sqe(ring)
                     slot = issued % depth
-                    iov = uring.Iovec([view[slot * block : (slot + 1) * block]])
-                    prep(sqe, fd, iov, issued * block)
-                    sqe.user_data = issued
-                    keep[issued] = iov
+                    span = [(base + slot * block, block)]
+                    ring.prepare_rw(write, fd, issued * block, span, issued)
                     issued += 1
-                uring.io_uring_submit_and_wait(ring, 1)
-                while True:
-                    try:
-                        uring.io_uring_peek_cqe(ring, cqe)
-                    except BlockingIOError:
-                        break
-                    entry = cqe[0]
-                    if entry.res != block:
-                        raise OSError(f"raw op moved {entry.res} of {block} bytes")
-                    keep.pop(entry.user_data)
-                    uring.io_uring_cqe_seen(ring, entry)
+                ring.submit(wait_for=1)
+                for _, res in ring.completions():
+                    if res != block:
+                        raise OSError(f"raw op moved {res} of {block} bytes")
                     done += 1
             if write:
                 os.fdatasync(fd)
     finally:
-        uring.io_uring_queue_exit(ring)
+        ring.close()
         os.close(fd)
     return figure
+
+
+def raw_threads(path: Path, block: int, total: int, depth: int, write: bool) -> Figure:
+    """O_DIRECT block-sized ``os.pwritev``/``os.preadv`` on ``depth`` threads (queue depth
+    ``depth``): the ceiling of the thread backend, which needs no io_uring."""
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    buf = mmap.mmap(-1, depth * block)
+    buf.write(os.urandom(depth * block))
+    view = memoryview(buf)
+    count = total // block
+    call = os.pwritev if write else os.preadv
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        mine = view[index * block : (index + 1) * block]
+        try:
+            for op in range(index, count, depth):
+                if call(fd, [mine], op * block) != block:
+                    raise OSError(f"raw op {op} moved a short count")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(depth)]
+    try:
+        with measure(total) as figure:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            if write:
+                os.fdatasync(fd)
+    finally:
+        view.release()
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return figure
+
+
+RAW_CEILINGS: dict[str, Callable[[Path, int, int, int, bool], Figure]] = {
+    "uring": raw_uring,
+    "threads": raw_threads,
+}
+
+
+def ensure_fio() -> bool:
+    """fio on the PATH, installed from the distribution when missing and allowed (root)."""
+    if shutil.which("fio") is not None:
+        return True
+    if os.geteuid() == 0 and shutil.which("apt-get") is not None:
+        print("# fio is missing: apt-get install -y fio", flush=True)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "fio"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
+    found = shutil.which("fio") is not None
+    if not found:
+        print("# fio is not available: ceilings from the Python raw loops only", flush=True)
+    return found
+
+
+def available_backends(requested: str) -> tuple[list[str], dict[str, str]]:
+    """The backends to measure (in order) and why any requested one is skipped."""
+    from tiers.fs.io import uring_unavailable_reason
+
+    names = ["uring", "threads"] if requested == "all" else [requested]
+    skipped: dict[str, str] = {}
+    reason = uring_unavailable_reason()
+    if "uring" in names and reason is not None:
+        skipped["uring"] = reason
+        names.remove("uring")
+    return names, skipped
 
 
 def raw_fio(path: Path, block: int, total: int, depth: int, write: bool) -> Figure | None:
@@ -285,12 +352,18 @@ def run_jobs(manager: AsyncTierManager, work: Workload, load: bool, poll_s: floa
 
 
 def make_manager(
-    root: Path, primary: Primary, total: int, block: int, args: argparse.Namespace, direct: bool
+    root: Path,
+    primary: Primary,
+    total: int,
+    block: int,
+    args: argparse.Namespace,
+    direct: bool,
+    backend: str,
 ) -> AsyncTierManager:
     tier = FileSystemTier(
         root_dir=root,
         capacity_bytes=total + 64 * MiB,
-        io_backend=args.backend,
+        io_backend=backend,
         direct_io=direct,
         queue_depth=args.queue_depth,
         max_io_bytes=args.max_io_kib * KiB,
@@ -340,16 +413,19 @@ def python_loop_rate(seconds: float, during: Callable[[], None] | None = None) -
 # -- one case --------------------------------------------------------------------------------
 
 
-def bench_case(name: str, block: int, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+def bench_case(
+    name: str, block: int, backend: str, args: argparse.Namespace, scratch: Path
+) -> dict[str, Any]:
     total = args.total_mib * MiB
     job_blocks = args.job_blocks
     in_flight = args.jobs_in_flight
     primary = Primary(job_blocks * in_flight, block)
     out: dict[str, Any] = {"block": block, "total": total}
+    raw = RAW_CEILINGS[backend]
     raw_file = scratch / f"raw-{name}.bin"
     preallocate(raw_file, total)
     print(
-        f"# {name}: {total / MiB:.0f} MiB per phase, {job_blocks} blocks/job, "
+        f"# {name}, backend {backend}: {total / MiB:.0f} MiB per phase, {job_blocks} blocks/job, "
         f"{in_flight} jobs in flight, queue depth {args.queue_depth}",
         flush=True,
     )
@@ -364,14 +440,14 @@ def bench_case(name: str, block: int, args: argparse.Namespace, scratch: Path) -
     # alternate, ``--reps`` times, each reading data written moments before (the virtual
     # disk serves recently written data faster), and the medians are compared.
     root = scratch / f"tier-{name}"
-    with make_manager(root, primary, total, block, args, direct=True) as manager:
+    with make_manager(root, primary, total, block, args, True, backend) as manager:
         for rep in range(args.reps):
             work = Workload(block, total, job_blocks, in_flight, f"{name}-direct-{rep}")
-            keep("raw_write", raw_uring(raw_file, block, total, args.queue_depth, write=True))
+            keep("raw_write", raw(raw_file, block, total, args.queue_depth, write=True))
             keep("fio_write", raw_fio(raw_file, block, total, args.queue_depth, write=True))
             keep("store", run_jobs(manager, work, load=False, poll_s=args.poll_s))
             drop_cache([raw_file])
-            keep("raw_read", raw_uring(raw_file, block, total, args.queue_depth, write=False))
+            keep("raw_read", raw(raw_file, block, total, args.queue_depth, write=False))
             keep("fio_read", raw_fio(raw_file, block, total, args.queue_depth, write=False))
             keep("load", run_jobs(manager, work, load=True, poll_s=args.poll_s))
         out["direct"] = manager.tier.stats.direct_io  # type: ignore[attr-defined]
@@ -407,11 +483,14 @@ def bench_case(name: str, block: int, args: argparse.Namespace, scratch: Path) -
         out[label] = median_figure(figures)
     out.setdefault("fio_write", None)
     out.setdefault("fio_read", None)
+    if backend != "threads":  # buffered files always use the thread backend under "auto"
+        raw_file.unlink()
+        return out
 
     # Buffered fallback: store, cold load (pages dropped), warm load.
     root = scratch / f"tier-{name}-buffered"
     work = Workload(block, total, job_blocks, in_flight, f"{name}-buffered")
-    with make_manager(root, primary, total, block, args, direct=False) as manager:
+    with make_manager(root, primary, total, block, args, False, backend) as manager:
         out["store_buffered"] = run_jobs(manager, work, load=False, poll_s=args.poll_s)
         drop_cache(sorted(root.glob("slab-*.bin")))
         out["load_cold"] = run_jobs(manager, work, load=True, poll_s=args.poll_s)
@@ -477,48 +556,53 @@ def run_vllm(args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, flo
 
 
 def report(
-    results: dict[str, dict[str, Any]],
+    results: dict[tuple[str, str], dict[str, Any]],
     vllm: dict[str, dict[str, float]] | None,
     args: argparse.Namespace,
+    skipped: dict[str, str],
 ) -> None:
     print()
+    print(f"CPU: {cpu_summary()}")
     header = (
-        f"{'case':<6} {'phase':<19} {'GB/s':>6} {'raw py':>7} {'fio':>6} {'of raw':>7} "
-        f"{'target':>6} {'CPU s/GB':>9} {'excl.sched':>10} {'vLLM':>6} {'ours/vLLM':>9} "
-        f"{'target':>6}"
+        f"{'case':<6} {'backend':<7} {'phase':<19} {'GB/s':>6} {'raw':>6} {'fio':>6} "
+        f"{'of raw':>7} {'target':>6} {'CPU s/GB':>9} {'excl.sched':>10} {'vLLM':>6} "
+        f"{'ours/vLLM':>9} {'target':>6}"
     )
     print(header)
     print("-" * len(header))
-    for name, r in results.items():
+    for (name, _backend), r in results.items():
         rows = [
             ("store O_DIRECT", r["store"], r["raw_write"], r["fio_write"], "store"),
             ("load O_DIRECT", r["load"], r["raw_read"], r["fio_read"], "load"),
-            ("store buffered", r["store_buffered"], None, None, None),
-            ("load buffered cold", r["load_cold"], r["raw_read"], r["fio_read"], None),
-            ("load buffered warm", r["load_warm"], None, None, None),
         ]
-        for label, fig, py, fio, vllm_phase in rows:
-            ceiling = max([f.gbps for f in (py, fio) if f is not None], default=0.0)
-            ratio = fig.gbps / ceiling if ceiling else None
+        if "store_buffered" in r:
+            rows += [
+                ("store buffered", r["store_buffered"], None, None, None),
+                ("load buffered cold", r["load_cold"], r["raw_read"], r["fio_read"], None),
+                ("load buffered warm", r["load_warm"], None, None, None),
+            ]
+        for label, fig, raw, fio, vllm_phase in rows:
+            ratio = fig.gbps / raw.gbps if raw is not None and raw.gbps else None
             direct_row = label.endswith("O_DIRECT")
             peer = (vllm or {}).get(name, {}).get(vllm_phase or "", None)
             print(
-                f"{name:<6} {label:<19} {fig.gbps:>6.2f} "
-                f"{_fmt(py.gbps if py else None):>7} {_fmt(fio.gbps if fio else None):>6} "
+                f"{name:<6} {r['backend']:<7} {label:<19} {fig.gbps:>6.2f} "
+                f"{_fmt(raw.gbps if raw else None):>6} {_fmt(fio.gbps if fio else None):>6} "
                 f"{_pct(ratio):>7} {_pct(TARGET_RAW[name] if direct_row else None):>6} "
                 f"{fig.cpu_per_gb:>9.3f} {fig.tier_cpu_per_gb:>10.3f} "
                 f"{_fmt(peer):>6} {_ratio(fig.gbps / peer if peer else None):>9} "
                 f"{_ratio(TARGET_VLLM[name] if peer is not None else None):>6}"
             )
     print()
-    for name, r in results.items():
+    for (name, _backend), r in results.items():
         gil = r["gil"]
         print(
-            f"GIL {name}: pure-Python loop {gil['alone']:.0f} batches/s alone, "
+            f"GIL {name} {r['backend']}: pure-Python loop {gil['alone']:.0f} batches/s alone, "
             f"{gil['busy']:.0f} while the tier stores+loads flat out: "
             f"slowdown {gil['slowdown']:.2f}x (target <= 1.25x)"
         )
-    first = next(iter(results.values()))
+    for backend, reason in skipped.items():
+        print(f"backend {backend} not measured: {reason}")
     print(
         f"O_DIRECT rows and their ceilings: median of {args.reps} alternating runs; buffered "
         f"rows: one run; vLLM: median of {args.vllm_runs} runs of its harness "
@@ -526,11 +610,27 @@ def report(
         f"{args.jobs_in_flight} in flight)."
     )
     print(
-        f"backend={first['backend']} direct_io={first['direct']}; CPU s/GB = user+sys of this "
-        "process (all threads) per GB moved; 'excl.sched' leaves out the benchmark's own "
-        "scheduler-thread polling. raw py = Python io_uring O_DIRECT at the same queue depth; "
-        "ratio against the better of raw py and fio. Shared, noisy machine: compare within a run."
+        "backend = the backend the tier really ran (stats.io_backend). raw = that backend's "
+        "own ceiling: O_DIRECT block-sized ops at the same queue depth (uring: the kernel ring "
+        "the tier uses; threads: os.preadv/pwritev on queue-depth threads); 'of raw' is against "
+        "it. fio (io_uring engine) is the disk's ceiling, shown beside it. CPU s/GB = user+sys "
+        "of this process (all threads) per GB moved; 'excl.sched' leaves out the benchmark's "
+        "own scheduler-thread polling. Shared, noisy machine: compare within a run."
     )
+
+
+def cpu_summary() -> str:
+    """The CPU model and whether it has AVX-512 (figures depend on both)."""
+    model, flags = platform.processor() or "unknown", ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="ascii") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name") and model in ("", "unknown", platform.machine()):
+                model = line.partition(":")[2].strip()
+            elif line.startswith("flags"):
+                flags = line.partition(":")[2]
+                break
+    avx512 = "avx512f" in flags.split()
+    return f"{model}, {os.cpu_count()} cores, AVX-512 {'yes' if avx512 else 'no'}"
 
 
 def _fmt(x: float | None) -> str:
@@ -545,7 +645,7 @@ def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def to_json(results: dict[str, dict[str, Any]], vllm: Any) -> dict[str, Any]:
+def to_json(results: dict[tuple[str, str], dict[str, Any]], vllm: Any) -> dict[str, Any]:
     def convert(value: Any) -> Any:
         if isinstance(value, Figure):
             return {
@@ -559,7 +659,7 @@ def to_json(results: dict[str, dict[str, Any]], vllm: Any) -> dict[str, Any]:
             return {k: convert(v) for k, v in value.items()}
         return value
 
-    return {"ours": convert(results), "vllm": vllm}
+    return {"ours": convert({f"{c}/{b}": r for (c, b), r in results.items()}), "vllm": vllm}
 
 
 def main() -> None:
@@ -570,7 +670,12 @@ def main() -> None:
     parser.add_argument("--jobs-in-flight", type=int, default=4)
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--max-io-kib", type=int, default=8192, help="tier's max_io_bytes")
-    parser.add_argument("--backend", default="auto", choices=["auto", "uring", "threads"])
+    parser.add_argument(
+        "--backend",
+        default="all",
+        choices=["all", "uring", "threads"],
+        help="I/O backend(s) to measure; 'all' = every backend this machine can run",
+    )
     parser.add_argument("--poll-s", type=float, default=0.0005, help="scheduler idle sleep")
     parser.add_argument("--gil-s", type=float, default=3.0, help="seconds per GIL measurement")
     parser.add_argument("--reps", type=int, default=3, help="O_DIRECT runs per case (median)")
@@ -584,13 +689,21 @@ def main() -> None:
     if args.quick:
         args.total_mib, args.skip_vllm, args.gil_s, args.reps = 256, True, 1.5, 1
     logging.basicConfig(level=logging.WARNING)
+    backends, skipped = available_backends(args.backend)
+    for backend, reason in skipped.items():
+        print(f"# backend {backend} is not usable here: {reason}", flush=True)
+    ensure_fio()
     scratch = Path(tempfile.mkdtemp(prefix="fs-tier-bench-", dir=args.dir))
     try:
-        results = {name: bench_case(name, CASES[name], args, scratch) for name in args.cases}
+        results = {
+            (name, backend): bench_case(name, CASES[name], backend, args, scratch)
+            for name in args.cases
+            for backend in backends
+        }
         vllm = run_vllm(args, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report(results, vllm, args)
+    report(results, vllm, args, skipped)
     if args.json:
         Path(args.json).write_text(json.dumps(to_json(results, vllm), indent=1))
 

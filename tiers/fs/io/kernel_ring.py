@@ -48,6 +48,7 @@ _IORING_OFF_CQ_RING: Final = 0x8000000
 _IORING_OFF_SQES: Final = 0x10000000
 _IORING_FEAT_SINGLE_MMAP: Final = 1 << 0
 _IORING_REGISTER_EVENTFD: Final = 4
+_IORING_ENTER_GETEVENTS: Final = 1
 
 OP_READV: Final = 1
 OP_WRITEV: Final = 2
@@ -232,16 +233,19 @@ class KernelRing:
         """Entries queued but not yet handed to the kernel."""
         return self._pending
 
-    def submit(self) -> int:
-        """Hand queued entries to the kernel without waiting; returns how many it took.
+    def submit(self, wait_for: int = 0) -> int:
+        """Hand queued entries to the kernel; returns how many it took.
 
-        Raises OSError (EAGAIN/EBUSY when the kernel has no room for completions yet:
-        the entries stay queued for the next call).
+        With ``wait_for`` > 0 the call also blocks until that many completions
+        are posted (without the GIL; for benchmarks and tools, never on an
+        event loop). Raises OSError (EAGAIN/EBUSY when the kernel has no room
+        for completions yet: the entries stay queued for the next call).
         """
-        if not self._pending:
+        if not self._pending and not wait_for:
             return 0
+        flags = _IORING_ENTER_GETEVENTS if wait_for else 0
         taken = _syscall(
-            _SYS_IO_URING_ENTER, self.fd, self._pending, 0, 0, None, ctypes.c_size_t(0)
+            _SYS_IO_URING_ENTER, self.fd, self._pending, wait_for, flags, None, ctypes.c_size_t(0)
         )
         if taken < 0:
             code = ctypes.get_errno()
