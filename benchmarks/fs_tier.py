@@ -48,7 +48,6 @@ import json
 import logging
 import mmap
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -67,6 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tiering.jobs import JobMetadata
 from tiering.keys import OffloadKey, make_offload_key
+from tiering.native_probe import describe_cpu
 from tiering.runtime import AsyncTierManager
 from tiers.fs import FileSystemTier
 
@@ -562,7 +562,7 @@ def report(
     skipped: dict[str, str],
 ) -> None:
     print()
-    print(f"CPU: {cpu_summary()}")
+    print(f"CPU: {describe_cpu()}")
     header = (
         f"{'case':<6} {'backend':<7} {'phase':<19} {'GB/s':>6} {'raw':>6} {'fio':>6} "
         f"{'of raw':>7} {'target':>6} {'CPU s/GB':>9} {'excl.sched':>10} {'vLLM':>6} "
@@ -617,20 +617,6 @@ def report(
         "of this process (all threads) per GB moved; 'excl.sched' leaves out the benchmark's "
         "own scheduler-thread polling. Shared, noisy machine: compare within a run."
     )
-
-
-def cpu_summary() -> str:
-    """The CPU model and whether it has AVX-512 (figures depend on both)."""
-    model, flags = platform.processor() or "unknown", ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="ascii") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name") and model in ("", "unknown", platform.machine()):
-                model = line.partition(":")[2].strip()
-            elif line.startswith("flags"):
-                flags = line.partition(":")[2]
-                break
-    avx512 = "avx512f" in flags.split()
-    return f"{model}, {os.cpu_count()} cores, AVX-512 {'yes' if avx512 else 'no'}"
 
 
 def _fmt(x: float | None) -> str:

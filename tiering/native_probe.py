@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ProbeVerdict", "cache_dir", "probe_in_child"]
+__all__ = ["ProbeVerdict", "cache_dir", "describe_cpu", "probe_in_child"]
 
 #: Seconds a self-test may take before it counts as failed (a hung path is unusable).
 DEFAULT_TIMEOUT_S = 60.0
@@ -60,15 +60,26 @@ def cache_dir() -> Path:
     return Path(base) / "kv-tiering"
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_field(name: str) -> str:
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("flags"):
+                if line.partition(":")[0].strip() == name:
                     return line.partition(":")[2].strip()
     except OSError:
         pass
-    return platform.processor()
+    return ""
+
+
+def _cpu_flags() -> str:
+    return _cpuinfo_field("flags") or platform.processor()
+
+
+def describe_cpu() -> str:
+    """The CPU model, core count and AVX-512 support (for benchmark reports)."""
+    model = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    avx512 = "avx512f" in _cpu_flags().split()
+    return f"{model}, {os.cpu_count()} cores, AVX-512 {'yes' if avx512 else 'no'}"
 
 
 def _machine_key(name: str, target: str) -> str:
