@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -139,9 +140,11 @@ class SharedTier(AsyncTier):
     shared = True
     max_concurrency = 8
 
-    def __init__(self, store: SharedStore) -> None:
+    def __init__(self, store: SharedStore, gate: threading.Event | None = None) -> None:
         self.store = store
         self.contains_calls: list[list[OffloadKey]] = []
+        #: While set up and not yet set, membership checks do not finish (the test decides).
+        self.gate = gate
 
     async def contains(self, key: OffloadKey) -> bool:
         return key in self.store.blocks
@@ -149,6 +152,8 @@ class SharedTier(AsyncTier):
     async def contains_many(self, keys: Sequence[OffloadKey]) -> list[bool]:
         self.contains_calls.append(list(keys))
         await asyncio.sleep(0.001)
+        if self.gate is not None:
+            await asyncio.to_thread(self.gate.wait, 30)  # bounded: a failing test still ends
         return [k in self.store.blocks for k in keys]
 
     async def read(self, key: OffloadKey, into: memoryview) -> None:

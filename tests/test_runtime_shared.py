@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -69,14 +71,16 @@ def test_absent_answers_expire_and_are_asked_again(medium: SharedStore, buf: np.
 
 
 def test_lookups_of_many_unknown_keys_are_batched(medium: SharedStore, buf: np.ndarray) -> None:
-    tier = SharedTier(medium)
+    checks_may_finish = threading.Event()
+    tier = SharedTier(medium, gate=checks_may_finish)
     keys = [key(i) for i in range(200)]
     for k in keys[::2]:
         medium.blocks[k] = b"\x00" * BLOCK
     with AsyncTierManager(tier, buf.data, "shared") as manager:
         assert all(manager.lookup(k, NO_CONTEXT) is None for k in keys)
-        # Asking again while the check runs sends nothing new.
+        # Asking again while the check runs (held open by the gate) sends nothing new.
         assert all(manager.lookup(k, NO_CONTEXT) is None for k in keys[:10])
+        checks_may_finish.set()
         wait_until(lambda: all(manager.lookup(k, NO_CONTEXT) is not None for k in keys))
         assert [manager.lookup(k, NO_CONTEXT) for k in keys] == [True, False] * 100
         asked = [k for call in tier.contains_calls for k in call]
