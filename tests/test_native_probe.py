@@ -111,3 +111,36 @@ def test_explicit_uring_with_a_crashing_binding_is_one_config_error(private_cach
     assert "io_backend='uring' is not available here" in done.stderr
     assert "SIGILL" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_explicit_uring_is_refused_when_the_spec_is_built(
+    private_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At spec construction, before any memory is allocated: not at engine start."""
+    from tiering.errors import ConfigError
+    from tiering.spec import TieringOffloadingSpec
+    from tiers.fs.io import uring as uring_module
+
+    uring_module.uring_unavailable_reason.cache_clear()
+    monkeypatch.setattr(
+        uring_module,
+        "probe_in_child",
+        lambda name, target: native_probe.ProbeVerdict(False, f"{name}: crashed with SIGILL"),
+    )
+    try:
+        with pytest.raises(ConfigError) as caught:
+            TieringOffloadingSpec(
+                {
+                    "cpu_bytes_to_use": 1 << 20,
+                    "secondary_tiers": [
+                        {"type": "fs", "root_dir": str(private_cache), "io_backend": "uring"}
+                    ],
+                },
+                block_bytes=4096,
+            )
+        message = str(caught.value)
+        assert message.startswith("secondary_tiers[0] (type 'fs'): ")
+        assert "io_backend='uring' is not available here" in message and "SIGILL" in message
+        assert not private_cache.exists()  # nothing was created
+    finally:
+        uring_module.uring_unavailable_reason.cache_clear()

@@ -222,8 +222,9 @@ def check_tier_config(
 ) -> tuple[type[AsyncTier], dict[str, Any], Mapping[str, Any], str]:
     """Check a ``secondary_tiers`` entry without building anything.
 
-    Resolves the type and checks the option names against the tier class's
-    constructor (unknown options, missing required ones). Returns the class,
+    Resolves the type, checks the option names against the tier class's
+    constructor (unknown options, missing required ones) and lets the class
+    check values that must fail early (:meth:`AsyncTier.check_options`). Returns the class,
     the tier's own options, the entry as our own (see below) and the entry's
     description for messages. Values
     are checked by the class itself when it is constructed. An entry written
@@ -258,6 +259,10 @@ def check_tier_config(
     for key in required:
         if key not in options:
             raise ConfigError(f"{where}: missing required option {key!r} of {tier_class.__name__}")
+    try:
+        tier_class.check_options(options)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
     name = config.get("name")
     if name is not None and (not isinstance(name, str) or not name):
         raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")

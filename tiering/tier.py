@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -117,6 +117,18 @@ class AsyncTier:
 
     _context: TierContext | None = None
     _removed_sink: Callable[[Sequence[OffloadKey]], None] | None = None
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, object]) -> None:
+        """Check option values when the spec is built, before anything is allocated.
+
+        Optional (the default checks nothing; the constructor still checks
+        every value). Override it for what a user should learn at spec
+        construction rather than at engine start; raise
+        :class:`~tiering.errors.ConfigError` naming the option. Runs on the
+        caller's thread and must not touch the outside world (no files
+        created, no connections).
+        """
 
     @property
     def context(self) -> TierContext:

@@ -18,7 +18,7 @@ import fcntl
 import functools
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
@@ -193,12 +193,7 @@ class FileSystemTier(AsyncTier):
             preallocate=preallocate,
             create_root_dir=create_root_dir,
         )
-        if self.config.io_backend == "uring":
-            from tiers.fs.io import uring_unavailable_reason
-
-            reason = uring_unavailable_reason()
-            if reason is not None:
-                raise ConfigError(f"fs tier: io_backend='uring' is not available here: {reason}")
+        self.check_options({"io_backend": self.config.io_backend})
         # Blocks the framework may hand over at once. Queued blocks cost nothing here (the
         # backend keeps ``queue_depth`` ops in the kernel), and whole jobs in one call
         # coalesce into large vectored I/Os, so take a whole job or several.
@@ -207,6 +202,16 @@ class FileSystemTier(AsyncTier):
         self._open_state: _Open | None = None
         self._closed = False
         self._direct_io = False
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, object]) -> None:
+        """``io_backend: "uring"`` where io_uring failed its probe is a ConfigError now."""
+        if options.get("io_backend") == "uring":
+            from tiers.fs.io import uring_unavailable_reason
+
+            reason = uring_unavailable_reason()
+            if reason is not None:
+                raise ConfigError(f"fs tier: io_backend='uring' is not available here: {reason}")
 
     # -- lifecycle ----------------------------------------------------------------------
 
