@@ -207,6 +207,21 @@ def _memmove_loop(src: Addresses, dst: Addresses, lengths: Addresses) -> None:
             memmove(d, s, k)
 
 
+def address_of(view: memoryview) -> int:
+    """The address of the first byte of a C-contiguous ``view`` (read-only views too).
+
+    The address stays valid while ``view`` is alive and not released.
+    Raises ``ValueError`` for a view that is not C-contiguous.
+    """
+    if not view.c_contiguous:
+        raise ValueError("bulk copies need C-contiguous buffers")
+    if view.nbytes == 0:
+        return 0
+    if not view.readonly:  # the cheap way (0.2 us), for writable buffers only
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 def _reset_for_tests(mode: str | None) -> None:
     """Forget the probe (tests): ``"loop"`` forces the loop, None probes again."""
     global _probed, _writev
@@ -215,4 +230,4 @@ def _reset_for_tests(mode: str | None) -> None:
         _writev = None
 
 
-__all__ = ["IOV_MAX", "LOOP_MIN_REGION_BYTES", "copy_regions", "uses_system_call"]
+__all__ = ["IOV_MAX", "LOOP_MIN_REGION_BYTES", "address_of", "copy_regions", "uses_system_call"]
