@@ -17,11 +17,11 @@ from tiering.copy import bulk
 Bytes = np.ndarray[Any, np.dtype[np.uint8]]
 
 
-@pytest.fixture(params=["system_call", "loop"])
+@pytest.fixture(params=bulk.MODES)
 def mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each test runs with the batched system call (where available) and with the loop."""
-    bulk._reset_for_tests("loop" if request.param == "loop" else None)
-    if request.param == "system_call" and not bulk.uses_system_call():
+    """Each test runs with the memmove loop and with the batched system call (where it works)."""
+    bulk._reset_for_tests(request.param)
+    if request.param == "process_vm" and not bulk.uses_system_call():
         bulk._reset_for_tests(None)
         pytest.skip("process_vm_writev is unavailable on this machine")
     yield request.param
@@ -103,13 +103,23 @@ def test_tables_of_different_sizes_are_refused() -> None:
         bulk.copy_regions([1, 2], [3], [4, 5])
 
 
-def test_loop_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(bulk.ENV_MODE, "loop")
+@pytest.mark.parametrize("value", ["", "memmove", "bogus"])
+def test_the_memmove_loop_is_the_default(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(bulk.ENV_MODE, value)
     bulk._reset_for_tests(None)
     try:
         assert not bulk.uses_system_call()
     finally:
-        monkeypatch.delenv(bulk.ENV_MODE)
+        bulk._reset_for_tests(None)
+
+
+def test_the_system_call_is_chosen_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bulk.ENV_MODE, "process_vm")
+    bulk._reset_for_tests(None)
+    try:
+        # Where the kernel refuses it (seccomp, not Linux) the probe falls back to the loop.
+        assert bulk.uses_system_call() == (bulk._probe_system_call() is not None)
+    finally:
         bulk._reset_for_tests(None)
 
 

@@ -199,9 +199,9 @@ async def test_a_failed_bulk_copy_leaves_written_keys_absent_and_read_keys_held(
     assert into == bytes(block(1))
 
 
-@pytest.mark.parametrize("mode", ["system_call", "loop"])
+@pytest.mark.parametrize("mode", bulk.MODES)
 async def test_both_bulk_copy_paths_round_trip(mode: str) -> None:
-    bulk._reset_for_tests("loop" if mode == "loop" else None)
+    bulk._reset_for_tests(mode)
     try:
         tier, _ = await opened(capacity_blocks=50)
         keys = [key(i) for i in range(40)]

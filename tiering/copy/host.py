@@ -6,19 +6,19 @@ thread that runs its jobs in submission order, the host counterpart of a CUDA
 stream; a job waits for earlier conflicting jobs of other lanes first.
 
 Each job's copies (every tensor's, runs of adjacent blocks coalesced) are
-gathered into one table of (source, destination, length) regions and moved by
-:func:`tiering.copy.bulk.copy_regions`: one system call per 1,024 regions
-that releases the GIL for all of them, so a job of 8 layers x 32 KiB pages
-costs one GIL hand-off instead of one Python-level copy per page (the loop
-this replaced held the GIL between copies: a quarter to a half of its time at
-8-32 KiB pages). Large regions (>= 256 KiB on average) are copied by a
-memmove loop, a user-space memcpy being faster there. Vectorised numpy
-alternatives measured slower at every page size: fancy-index gather +
-scatter (0.7-1.8 GB/s, it allocates and faults a temporary), ``np.take(out=)``
-+ scatter (the scatter copies byte by byte) and ``torch.index_select`` with
-the default 2 intra-op threads (13 ms-2.2 s stalls per call on 2-core
-machines). A process that runs torch CPU copies of its own on these buffers
-should call ``torch.set_num_threads(1)`` (see ``docs/copy-engine.md``).
+gathered with numpy into one table of (source, destination, length) regions
+and moved by :func:`tiering.copy.bulk.copy_regions`: a C-level loop of
+``memmove`` calls, each with the GIL released, and no bytecode between two
+copies (opt-in: one ``process_vm_writev`` per 1,024 regions, see
+:mod:`tiering.copy.bulk`). The numpy slice loop this replaced spent about
+1 us of Python per region with the GIL held: a quarter to a half of its time
+at 8-32 KiB pages. Vectorised numpy alternatives measured slower at every
+page size: fancy-index gather + scatter (0.7-1.8 GB/s, it allocates and
+faults a temporary), ``np.take(out=)`` + scatter (the scatter is the slow
+half) and ``torch.index_select`` with the default 2 intra-op threads
+(13 ms-2.2 s stalls per call on 2-core machines). A process that runs torch
+CPU copies of its own on these buffers should call
+``torch.set_num_threads(1)`` (see ``docs/copy-engine.md``).
 """
 
 from __future__ import annotations
