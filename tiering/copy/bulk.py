@@ -6,18 +6,17 @@ address, length), built with numpy once per job. Two ways, chosen per process:
 * ``memmove`` (default): a C-level loop (``map`` over ``ctypes.memmove``, no
   bytecode per region) whose every copy runs with the GIL released; between
   two copies the GIL is held only for ctypes' argument conversion (well under
-  a microsecond). Measured on these machines: 70-86 % of one large memcpy for
-  32 KiB regions at random offsets, against 62-74 % for the numpy slice loop
-  it replaced, which held the GIL for about 1 us of Python per region.
+  a microsecond). Measured on these machines: 89-110 % of one large memcpy
+  for 32 KiB regions at random offsets (best of 40), where the numpy slice
+  loop it replaced held the GIL for about 1 us of Python per region.
 * ``process_vm`` (opt-in, ``TIERING_BULK_COPY=process_vm``): one system call
   per :data:`IOV_MAX` regions, Linux's ``process_vm_writev`` on this very
   process, which releases the GIL once for the whole batch (a thread that
   gets the GIL back behind a busy Python thread waits up to the switch
   interval, 5 ms, so one hand-off per batch instead of one per region matters
   when the scheduler thread is CPU-bound). The kernel pins every page it
-  copies: on transparent huge pages it reached 69-77 % of memcpy at 32 KiB
-  regions, but on 4 KiB pages (``/dev/shm``, plain anonymous mappings) only
-  8-40 %, which is why it is not the default. It is tried once per process
+  copies: 43-47 % of memcpy at 32 KiB regions (best of 40; 29-32 % at
+  8 KiB), which is why it is not the default. It is tried once per process
   in a child process first, as a seccomp policy may kill the caller with
   SIGSYS, which cannot be caught; where it fails, ``memmove`` is used.
 
