@@ -163,3 +163,58 @@ def test_large_regions_take_the_memmove_loop(monkeypatch: pytest.MonkeyPatch) ->
     dst = np.zeros(n, dtype=np.uint8)
     bulk.copy_regions([_addr(src)], [_addr(dst)], [n])
     assert fake.calls == 0 and np.array_equal(src, dst)
+
+
+def test_small_copies_hold_the_gil_in_batches_and_large_ones_release_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bulk._reset_for_tests("memmove")
+    calls: list[tuple[str, int]] = []
+
+    def spy(kind: str, real: Any) -> Any:
+        def call(d: int, s: int, n: int) -> Any:
+            calls.append((kind, n))
+            return real(d, s, n)
+
+        return call
+
+    monkeypatch.setattr(bulk, "_memmove", spy("free", ctypes.memmove))
+    monkeypatch.setattr(bulk, "_memmove_holding_gil", spy("held", bulk._memmove_holding_gil))
+    hold = bulk.HOLD_GIL_MAX_BYTES
+    small = hold // 4
+    lengths = [small] * 6 + [hold] + [small] * 2  # 1.5 batches of small, one large, a half
+    size = sum(lengths)
+    src = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    try:
+        bulk.copy_regions(_addr(src) + offsets, _addr(dst) + offsets, lengths)
+    finally:
+        bulk._reset_for_tests(None)
+    assert np.array_equal(src, dst)
+    assert calls == [
+        *[("held", small)] * 4,
+        ("free", 0),  # a release point after a full batch
+        *[("held", small)] * 2,
+        ("free", 0),
+        ("free", hold),  # a large copy releases the GIL itself
+        *[("held", small)] * 2,
+        ("free", 0),
+    ]
+
+
+def test_a_call_of_few_small_bytes_never_hands_the_gil_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    bulk._reset_for_tests("memmove")
+    freed: list[int] = []
+    monkeypatch.setattr(bulk, "_memmove", lambda d, s, n: freed.append(n))
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    try:
+        bulk.copy_regions(
+            [_addr(src), _addr(src) + 128], [_addr(dst) + 128, _addr(dst)], [128, 128]
+        )
+    finally:
+        bulk._reset_for_tests(None)
+    assert freed == [] and np.array_equal(dst, np.concatenate([src[128:], src[:128]]))

@@ -4,11 +4,15 @@
 address, length), built with numpy once per job. Two ways, chosen per process:
 
 * ``memmove`` (default): a C-level loop (``map`` over ``ctypes.memmove``, no
-  bytecode per region) whose every copy runs with the GIL released; between
-  two copies the GIL is held only for ctypes' argument conversion (well under
-  a microsecond). Measured on these machines: 89-110 % of one large memcpy
-  for 32 KiB regions at random offsets (best of 40), where the numpy slice
-  loop it replaced held the GIL for about 1 us of Python per region.
+  bytecode per region). Copies of :data:`HOLD_GIL_MAX_BYTES` (16 KiB) or more
+  each run with the GIL released; smaller ones run with the GIL held, in
+  batches of about 16 KiB (about 1.5 us) with a GIL release between batches:
+  for a small copy the hand-over costs more than the copy, and a thread
+  that releases the GIL behind a busy Python thread waits up to the switch
+  interval (5 ms) to get it back, each time. Measured on these machines:
+  89-110 % of one large memcpy for 32 KiB regions at random offsets (best
+  of 40), where the numpy slice loop it replaced held the GIL for about 1 us
+  of Python per region.
 * ``process_vm`` (opt-in, ``TIERING_BULK_COPY=process_vm``): one system call
   per :data:`IOV_MAX` regions, Linux's ``process_vm_writev`` on this very
   process, which releases the GIL once for the whole batch (a thread that
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import logging
 import os
 import subprocess
@@ -58,7 +63,18 @@ LOOP_MIN_REGION_BYTES = 256 << 10
 ENV_MODE = "TIERING_BULK_COPY"
 MODES = ("memmove", "process_vm")
 
+#: Copies shorter than this are made with the GIL held, in runs of at most
+#: this many bytes (about 1.5 us of memcpy), with a GIL release between runs.
+#: Below it, handing the GIL over costs more than the copy: a thread that
+#: releases the GIL behind a busy Python thread waits for it up to the switch
+#: interval (5 ms), and each hand-over is a context switch.
+HOLD_GIL_MAX_BYTES = 16 << 10
+
+# libc's memmove, releasing the GIL (ctypes' own) and holding it (PYFUNCTYPE).
 _memmove = ctypes.memmove
+_memmove_holding_gil: Any = ctypes.PYFUNCTYPE(
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
+)(ctypes._memmove_addr)  # type: ignore[attr-defined]
 
 
 class _VmWritev:
@@ -172,8 +188,10 @@ def uses_system_call() -> bool:
 def copy_regions(src: npt.ArrayLike, dst: npt.ArrayLike, lengths: npt.ArrayLike) -> None:
     """Copy ``lengths[i]`` bytes from address ``src[i]`` to address ``dst[i]``, for every ``i``.
 
-    Every byte moves with the GIL released: per region (the default), or per
-    batch of :data:`IOV_MAX` regions where :func:`uses_system_call`. Addresses and
+    The GIL is released for every copy of :data:`HOLD_GIL_MAX_BYTES` or more
+    and between batches of about that many bytes of smaller copies (the
+    default), or once per batch of :data:`IOV_MAX` regions where
+    :func:`uses_system_call`. Addresses and
     lengths are 1-D integer arrays of one size; zero lengths are allowed.
     Raises ``OSError`` if the kernel refuses an address (a caller's bug: the
     bytes copied before it stay copied).
@@ -214,9 +232,32 @@ def copy_regions(src: npt.ArrayLike, dst: npt.ArrayLike, lengths: npt.ArrayLike)
 
 
 def _memmove_loop(src: Addresses, dst: Addresses, lengths: Addresses) -> None:
-    # ``map`` drives the loop in C: no bytecode runs between two copies.
-    memmove: Any = _memmove
-    deque(map(memmove, dst.tolist(), src.tolist(), lengths.tolist()), maxlen=0)
+    """Copies of :data:`HOLD_GIL_MAX_BYTES` or more release the GIL, each; smaller ones
+    run in batches of about that many bytes with the GIL held, a release point between.
+
+    ``map`` drives each batch in C: no bytecode runs between two copies.
+    """
+    free: Any = _memmove
+    held: Any = _memmove_holding_gil
+    d, s, n = dst.tolist(), src.tolist(), lengths.tolist()
+    hold = HOLD_GIL_MAX_BYTES
+    if int(lengths.min()) >= hold:
+        deque(map(free, d, s, n), maxlen=0)
+        return
+    if int(lengths.sum()) <= hold:
+        deque(map(held, d, s, n), maxlen=0)
+        return
+    big = lengths >= np.uint64(hold)
+    # Batch by starting offset in the stream of bytes; a large copy is a batch alone.
+    batch = (np.cumsum(lengths) - lengths) // np.uint64(hold)
+    cuts = np.flatnonzero((batch[1:] != batch[:-1]) | big[1:] | big[:-1]) + 1
+    bounds = [0, *cuts.tolist(), len(n)]
+    for a, b in itertools.pairwise(bounds):
+        if b - a == 1 and n[a] >= hold:
+            free(d[a], s[a], n[a])
+        else:
+            deque(map(held, d[a:b], s[a:b], n[a:b]), maxlen=0)
+            free(d[a], d[a], 0)  # a release point: a waiting thread gets the GIL here
 
 
 def address_of(view: memoryview) -> int:
@@ -245,6 +286,7 @@ def _reset_for_tests(mode: str | None) -> None:
 
 __all__ = [
     "ENV_MODE",
+    "HOLD_GIL_MAX_BYTES",
     "IOV_MAX",
     "LOOP_MIN_REGION_BYTES",
     "MODES",
