@@ -7,10 +7,11 @@ evictions through :meth:`AsyncTier.report_removed`.
 Every operation completes without awaiting anything, so it is trivially
 cancellation-safe: a write either happened entirely or not at all.
 
-The bytes never move under the GIL: a call's copies are gathered into one
-table of addresses and moved by :func:`tiering.copy.bulk.copy_regions` (one
-system call releasing the GIL per batch of up to 1,024 blocks), so the
-scheduler thread keeps running Python while this tier copies.
+Block bytes move outside the GIL: a call's copies are gathered into one
+table of addresses and moved by one :func:`tiering.copy.bulk.copy_regions`
+(per 8 MiB in the batch forms), which releases the GIL for every copy of
+16 KiB or more and between 16 KiB batches of smaller ones, so the scheduler
+thread keeps running Python while this tier copies.
 
 Config (``secondary_tiers`` entry)::
 
