@@ -12,7 +12,9 @@ hash lookups, the per-request output dicts, then ``update_from_output``),
 and then does what the offloading connector does with a secondary tier
 through the real facade (:class:`~tiering.runtime.AsyncTierManager`): prefix
 lookups, store (cascade) and load (promotion) jobs kept at ``--in-flight``
-jobs per tier (the tier flat out), and ``get_finished``.
+jobs per tier (the tier flat out), and ``get_finished``. ``--forward-ms``
+adds a GIL-free wait after each step, as a real engine waits for the GPU's
+forward pass (default 0: the scheduler thread never rests, the worst case).
 
 For each tier (``memory``, ``fs-threads``, ``fs-uring``, ``redis`` on
 loopback with a redis-server started here) the steps run alone and with the
@@ -386,8 +388,14 @@ class Phase:
 
 
 def run_steps(
-    scheduler: ToyScheduler, seconds: float, between: Callable[[], None] | None, into: Phase
+    scheduler: ToyScheduler,
+    seconds: float,
+    between: Callable[[], None] | None,
+    into: Phase,
+    forward_s: float = 0.0,
 ) -> None:
+    """Steps back to back for ``seconds``; ``forward_s`` of GIL-free waiting after each
+    (the GPU's forward pass, during which a real scheduler thread sleeps)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
@@ -397,6 +405,8 @@ def run_steps(
             between()
         into.schedule_s.append(t1 - t0)
         into.step_s.append(time.perf_counter() - t0)
+        if forward_s:
+            time.sleep(forward_s)
 
 
 @dataclass
@@ -425,9 +435,10 @@ def bench_tier(kind: str, args: argparse.Namespace, scratch: Path) -> TierRow:
             run_steps(scheduler, 0.2, None, Phase())
             blocks0, cpu0, busy_s = mix.blocks_moved, loop_cpu(), 0.0
             for _ in range(args.rounds):
-                run_steps(scheduler, args.seconds / args.rounds / 2, None, row.alone)
+                slice_s, forward_s = args.seconds / args.rounds / 2, args.forward_ms / 1e3
+                run_steps(scheduler, slice_s, None, row.alone, forward_s)
                 t0 = time.perf_counter()
-                run_steps(scheduler, args.seconds / args.rounds / 2, mix.step, row.busy)
+                run_steps(scheduler, slice_s, mix.step, row.busy, forward_s)
                 busy_s += time.perf_counter() - t0
                 mix.finish()  # between rounds: the alone steps see an idle tier
             moved = mix.blocks_moved - blocks0
@@ -524,6 +535,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tier-mib", type=int, default=512, help="tier capacity (MiB)")
     parser.add_argument("--scratch", type=Path, default=None, help="directory for fs/redis files")
     parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="GIL-free wait after each step, as for a GPU forward pass (default 0: the "
+        "scheduler thread never rests, the worst case)",
+    )
+    parser.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
@@ -538,7 +556,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, batch of {args.running} "
         f"requests; tier blocks {args.block_kib} KiB x {args.blocks_per_job} per job, "
-        f"{args.in_flight} jobs in flight, {args.lookups} lookups/step; "
+        f"{args.in_flight} jobs in flight, {args.lookups} lookups/step, "
+        f"{args.forward_ms:g} ms forward wait per step; "
         f"switch interval {sys.getswitchinterval() * 1e3:g} ms. Shared machines are noisy: "
         "compare within one run.\n"
     )
