@@ -218,3 +218,38 @@ def test_a_call_of_few_small_bytes_never_hands_the_gil_over(
     finally:
         bulk._reset_for_tests(None)
     assert freed == [] and np.array_equal(dst, np.concatenate([src[128:], src[:128]]))
+
+
+@pytest.mark.parametrize("count", [1, 5, 40])
+@pytest.mark.parametrize(
+    "length", [1, 4096, bulk.HOLD_GIL_MAX_BYTES - 1, bulk.HOLD_GIL_MAX_BYTES, 3 << 15]
+)
+def test_one_length_for_every_region(mode: str, count: int, length: int) -> None:
+    rng = np.random.default_rng(count * length)
+    src = rng.integers(0, 256, count * length, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    order = rng.permutation(count)
+    starts = [i * length for i in range(count)]
+    bulk.copy_regions(
+        [_addr(src) + starts[i] for i in order], [_addr(dst) + s for s in starts], length
+    )
+    assert np.array_equal(dst.reshape(count, length), src.reshape(count, length)[order])
+
+
+def test_one_small_length_copies_in_gil_held_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    bulk._reset_for_tests("memmove")
+    releases: list[int] = []
+    real = ctypes.memmove
+    monkeypatch.setattr(bulk, "_memmove", lambda d, s, n: (releases.append(n), real(d, s, n)))
+    length = bulk.HOLD_GIL_MAX_BYTES // 4
+    src = np.random.default_rng(5).integers(0, 256, 10 * length, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    starts = [i * length for i in range(10)]
+    try:
+        bulk.copy_regions(
+            [_addr(src) + s for s in starts], [_addr(dst) + s for s in starts], length
+        )
+    finally:
+        bulk._reset_for_tests(None)
+    assert np.array_equal(src, dst)
+    assert releases == [0, 0, 0]  # batches of 4, 4 and 2 copies, a release point after each

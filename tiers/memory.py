@@ -312,7 +312,7 @@ class _CopyQueue:
             return
         src, dst, self._src, self._dst = self._src, self._dst, [], []
         try:
-            copy_regions(src, dst, np.full(len(src), self.block_bytes, dtype=np.uint64))
+            copy_regions(src, dst, self.block_bytes)
         finally:
             self._holds.clear()
 

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -185,33 +186,44 @@ def uses_system_call() -> bool:
     return _system_call() is not None
 
 
-def copy_regions(src: npt.ArrayLike, dst: npt.ArrayLike, lengths: npt.ArrayLike) -> None:
+def copy_regions(
+    src: Sequence[int] | npt.ArrayLike,
+    dst: Sequence[int] | npt.ArrayLike,
+    lengths: int | Sequence[int] | npt.ArrayLike,
+) -> None:
     """Copy ``lengths[i]`` bytes from address ``src[i]`` to address ``dst[i]``, for every ``i``.
 
-    The GIL is released for every copy of :data:`HOLD_GIL_MAX_BYTES` or more
-    and between batches of about that many bytes of smaller copies (the
-    default), or once per batch of :data:`IOV_MAX` regions where
-    :func:`uses_system_call`. Addresses and
-    lengths are 1-D integer arrays of one size; zero lengths are allowed.
-    Raises ``OSError`` if the kernel refuses an address (a caller's bug: the
-    bytes copied before it stay copied).
+    ``src`` and ``dst`` are lists of Python ints or 1-D integer arrays, of one
+    size; ``lengths`` one of the same size, or one int for every region.
+    Zero lengths are allowed. The GIL is released for every copy of
+    :data:`HOLD_GIL_MAX_BYTES` or more and between batches of about that many
+    bytes of smaller copies (the default), or once per batch of
+    :data:`IOV_MAX` regions where :func:`uses_system_call`. Raises
+    ``OSError`` if the kernel refuses an address (a caller's bug: the bytes
+    copied before it stay copied).
     """
-    src_a = np.asarray(src, dtype=np.uint64)
-    dst_a = np.asarray(dst, dtype=np.uint64)
-    len_a = np.asarray(lengths, dtype=np.uint64)
-    n = int(len_a.size)
-    if src_a.shape != (n,) or dst_a.shape != (n,):
-        raise ValueError(
-            f"src, dst and lengths must be 1-D of one size, got {src_a.shape}, {dst_a.shape}, "
-            f"{len_a.shape}"
-        )
+    s_list, d_list = _as_list(src), _as_list(dst)
+    n = len(s_list)
+    if len(d_list) != n:
+        raise ValueError(f"src has {n} addresses, dst {len(d_list)}: they must be of one size")
     if n == 0:
         return
-    total = int(len_a.sum())
     writev = _system_call()
-    if writev is None or total >= n * LOOP_MIN_REGION_BYTES:
-        _memmove_loop(src_a, dst_a, len_a)
-        return
+    if isinstance(lengths, int):
+        # One length for all (a tier's blocks): no numpy at all on this path.
+        if writev is None or lengths >= LOOP_MIN_REGION_BYTES:
+            _memmove_same(s_list, d_list, lengths)
+            return
+        len_a = np.full(n, lengths, dtype=np.uint64)
+    else:
+        len_a = np.asarray(lengths, dtype=np.uint64)
+        if len_a.shape != (n,):
+            raise ValueError(f"{n} regions but lengths of shape {len_a.shape}")
+        if writev is None or int(len_a.sum()) >= n * LOOP_MIN_REGION_BYTES:
+            _memmove_loop(s_list, d_list, len_a)
+            return
+    src_a = np.asarray(s_list, dtype=np.uint64)
+    dst_a = np.asarray(d_list, dtype=np.uint64)
     local = np.empty((n, 2), dtype=np.uint64)
     remote = np.empty((n, 2), dtype=np.uint64)
     local[:, 0], local[:, 1] = src_a, len_a
@@ -228,10 +240,42 @@ def copy_regions(src: npt.ArrayLike, dst: npt.ArrayLike, lengths: npt.ArrayLike)
                 raise OSError(err, f"process_vm_writev: {os.strerror(err)}")
         # A partial or refused batch: copy it again region by region (the
         # destinations do not overlap the sources, so repeating is harmless).
-        _memmove_loop(src_a[start:stop], dst_a[start:stop], len_a[start:stop])
+        _memmove_loop(s_list[start:stop], d_list[start:stop], len_a[start:stop])
 
 
-def _memmove_loop(src: Addresses, dst: Addresses, lengths: Addresses) -> None:
+def _as_list(values: Sequence[int] | npt.ArrayLike) -> list[int]:
+    """Addresses as a list of Python ints (a list is taken as it is: it must hold ints)."""
+    if isinstance(values, list):
+        return values
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"addresses must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"addresses must be integers, got {arr.dtype}")
+    listed: list[int] = arr.tolist()
+    return listed
+
+
+def _memmove_same(src: list[int], dst: list[int], length: int) -> None:
+    """:func:`_memmove_loop` for regions of one ``length`` (pure Python, no numpy)."""
+    free: Any = _memmove
+    held: Any = _memmove_holding_gil
+    hold = HOLD_GIL_MAX_BYTES
+    n = len(src)
+    if length >= hold:
+        deque(map(free, dst, src, itertools.repeat(length, n)), maxlen=0)
+        return
+    per_batch = max(1, hold // max(1, length))
+    if n <= per_batch:
+        deque(map(held, dst, src, itertools.repeat(length, n)), maxlen=0)
+        return
+    for a in range(0, n, per_batch):
+        b = min(a + per_batch, n)
+        deque(map(held, dst[a:b], src[a:b], itertools.repeat(length, b - a)), maxlen=0)
+        free(dst[a], dst[a], 0)  # a release point: a waiting thread gets the GIL here
+
+
+def _memmove_loop(src: list[int], dst: list[int], lengths: Addresses) -> None:
     """Copies of :data:`HOLD_GIL_MAX_BYTES` or more release the GIL, each; smaller ones
     run in batches of about that many bytes with the GIL held, a release point between.
 
@@ -239,7 +283,7 @@ def _memmove_loop(src: Addresses, dst: Addresses, lengths: Addresses) -> None:
     """
     free: Any = _memmove
     held: Any = _memmove_holding_gil
-    d, s, n = dst.tolist(), src.tolist(), lengths.tolist()
+    d, s, n = dst, src, lengths.tolist()
     hold = HOLD_GIL_MAX_BYTES
     if int(lengths.min()) >= hold:
         deque(map(free, d, s, n), maxlen=0)
