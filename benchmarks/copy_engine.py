@@ -5,7 +5,10 @@ Host engine: stores (KV tensor -> primary buffer) and loads (back) of jobs of
 through the public worker API (submit + wait), against ``np.copyto`` of one
 contiguous buffer of the same size (the ceiling). Target: >= 70 % of memcpy at
 >= 256 KiB. A second set of rows spreads each block over 8 layer tensors
-(pages of 1/8 of the block), the shape of a real model's KV cache.
+(pages of 1/8 of the block), the shape of a real model's KV cache; those run
+once per way of :mod:`tiering.copy.bulk` (``memmove``, the default, and the
+opt-in ``process_vm`` where the kernel allows it), engine column
+``host/<way>``. Target: >= 70 % of memcpy for every shape.
 
 CUDA (only where a device exists): the same jobs between a CUDA KV tensor and
 the pinned primary buffer, per strategy, against one ``cudaMemcpyAsync`` of a
@@ -30,6 +33,7 @@ from tiering.copy import (
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     CopyWorker,
+    bulk,
     make_copy_worker,
     required_cpu_block_bytes,
 )
@@ -112,7 +116,9 @@ class JobRunner:
         assert result.success, result.error
 
 
-def host_rows_for(block: int, layers: int, job_bytes: int, reps: int) -> list[tuple[str, ...]]:
+def host_rows_for(
+    block: int, layers: int, job_bytes: int, reps: int, engine_label: str = "host"
+) -> list[tuple[str, ...]]:
     per_job = max(1, job_bytes // block)
     num_gpu = num_cpu = per_job * 4
     page = block // layers
@@ -136,7 +142,7 @@ def host_rows_for(block: int, layers: int, job_bytes: int, reps: int) -> list[tu
                 ceiling = moved / memcpy_s / 1e9
                 rows.append(
                     (
-                        "host",
+                        engine_label,
                         f"{block // KIB} KiB"
                         + (f" ({layers} x {page // KIB} KiB)" if layers > 1 else ""),
                         label,
@@ -229,8 +235,14 @@ def main(argv: Any = None) -> None:
     for block in BLOCK_SIZES:
         rows += host_rows_for(block, 1, job_bytes, args.reps)
     if not args.no_layers:
-        for block in BLOCK_SIZES:
-            rows += host_rows_for(block, 8, job_bytes, args.reps)
+        for mode in bulk.MODES:
+            bulk._reset_for_tests(mode)
+            if mode == "process_vm" and not bulk.uses_system_call():
+                rows.append((f"host/{mode}", "-", "-", "n/a", "", "refused by this kernel"))
+                continue
+            for block in BLOCK_SIZES:
+                rows += host_rows_for(block, 8, job_bytes, args.reps, f"host/{mode}")
+        bulk._reset_for_tests(None)
     rows += cuda_rows(job_bytes, args.reps)
     print_table(rows)
 

@@ -455,8 +455,8 @@ def test_a_tensor_error_mid_job_fails_the_job_and_the_lane_goes_on(rigs: list[Ri
     result = finish(rig.worker, 2)[2]
     assert not result.success
     assert result.error is not None and "read-only" in result.error
-    # Tensor 0 was copied before the error: partial progress is still a failure.
-    assert np.array_equal(rig.gpu[0][[5, 6]], rig.gpu[0][[1, 2]])
+    # The job's regions are all checked before any byte moves: tensor 0 is untouched too.
+    assert not np.array_equal(rig.gpu[0][[5, 6]], rig.gpu[0][[1, 2]])
     # The load lane goes on: a job that only writes tensor 0 succeeds.
     only_group_0 = GPULoadStoreSpec([7], group_sizes=[1, 0], block_indices=[0, 0])
     assert rig.worker.submit_load(3, CPULoadStoreSpec([0]), only_group_0)
@@ -469,10 +469,10 @@ class FailingEngine(HostCopyEngine):
 
     fail_tensor = 1
 
-    def copy_entry(self, entry: BlockCopies, gpu_to_cpu: bool) -> None:
+    def regions_of(self, entry: BlockCopies, gpu_to_cpu: bool) -> Any:
         if entry.tensor_idx == self.fail_tensor:
             raise OSError("injected copy failure")
-        super().copy_entry(entry, gpu_to_cpu)
+        return super().regions_of(entry, gpu_to_cpu)
 
 
 def _layout(pages: list[int], gpu_blocks: int, cpu_blocks: int) -> KVLayout:

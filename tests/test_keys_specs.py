@@ -98,6 +98,16 @@ def test_block_ids_validation(block_ids: object, error: type[Exception], match: 
         as_block_ids(block_ids)  # type: ignore[arg-type]
 
 
+def test_validated_block_ids_pass_through_and_anything_else_is_checked() -> None:
+    ids = as_block_ids([3, 1, 2])
+    assert as_block_ids(ids) is ids  # a spec's ids handed to a job: no copy, no re-check
+    copy = np.array([3, 1, 2], dtype=np.int64)
+    copy.flags.writeable = False
+    assert as_block_ids(copy) is not copy  # read-only, but not validated here
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        ids.flags.writeable = True  # so what was validated stays valid
+
+
 def test_gpu_spec_groups_and_indices() -> None:
     spec = GPULoadStoreSpec([10, 11, 20, 21, 22], group_sizes=[2, 3], block_indices=[4, 6])
     assert GPULoadStoreSpec.medium() == "GPU"

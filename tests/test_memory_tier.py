@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.runtime_support import key
-from tiering.errors import BlockNotFound, ConfigError
+from tiering.copy import bulk
+from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
 from tiering.testing.conformance import conformance_tests
 from tiering.tier import TierContext
@@ -38,7 +39,7 @@ globals().update(
         lambda: ExampleTier(custom_param=67), prefix="test_example_", skip=NOT_PERSISTENT
     )
 )
-# Large blocks take the numpy (GIL-free) copy path of the bounded arena.
+# Large blocks: batches that reach the yield threshold are copied in several bulk calls.
 globals().update(
     conformance_tests(
         lambda: MemoryTier(capacity_blocks=300),
@@ -144,3 +145,69 @@ async def test_held_blocks_never_exceed_capacity_and_removals_are_reported(
         into = bytearray(BLOCK)
         await tier.read(k, memoryview(into))
         assert into == bytes(block(i))
+
+
+@pytest.mark.parametrize("bound", [None, 3])
+async def test_a_batch_larger_than_the_tier_keeps_its_last_blocks_intact(bound: int | None) -> None:
+    # Slots evicted and reused within one batch: the queued copies run in order.
+    tier, removed = await opened(capacity_blocks=bound)
+    keys = [key(i) for i in range(7)]
+    await tier.write_many(keys, [block(i) for i in range(7)])
+    held = set(await tier.list_keys())
+    assert held == set(keys[-(bound or 7) :])
+    assert set(removed) == set(keys) - held
+    into = [bytearray(BLOCK) for _ in held]
+    ordered = sorted(held)
+    await tier.read_many(ordered, [memoryview(b) for b in into])
+    for k, got in zip(ordered, into, strict=True):
+        assert got == bytes(block(keys.index(k)))
+
+
+@pytest.mark.parametrize("bound", [None, 4])
+async def test_reading_into_a_read_only_buffer_is_refused(bound: int | None) -> None:
+    tier, _ = await opened(capacity_blocks=bound)
+    await tier.write(key(1), block(1))
+    with pytest.raises(ValueError, match="read-only"):
+        await tier.read(key(1), block(0))
+    with pytest.raises(PartialBatchError) as info:
+        await tier.read_many([key(1)], [block(0)])
+    assert isinstance(info.value.errors[key(1)], ValueError)
+
+
+@pytest.mark.parametrize("bound", [None, 4])
+async def test_a_failed_bulk_copy_leaves_written_keys_absent_and_read_keys_held(
+    bound: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, _ = await opened(capacity_blocks=bound)
+    await tier.write(key(1), block(1))
+
+    def refuse(*args: object) -> None:
+        raise OSError(14, "injected bulk copy failure")
+
+    monkeypatch.setattr("tiers.memory.copy_regions", refuse)
+    with pytest.raises(PartialBatchError) as info:
+        await tier.write_many([key(2), key(3)], [block(2), block(3)])
+    assert set(info.value.errors) == {key(2), key(3)} and not info.value.succeeded
+    with pytest.raises(OSError, match="injected"):
+        await tier.write(key(4), block(4))
+    with pytest.raises(OSError, match="injected"):
+        await tier.read(key(1), memoryview(bytearray(BLOCK)))
+    assert set(await tier.list_keys()) == {key(1)}
+    monkeypatch.undo()
+    into = bytearray(BLOCK)
+    await tier.read(key(1), memoryview(into))
+    assert into == bytes(block(1))
+
+
+@pytest.mark.parametrize("mode", bulk.MODES)
+async def test_both_bulk_copy_paths_round_trip(mode: str) -> None:
+    bulk._reset_for_tests(mode)
+    try:
+        tier, _ = await opened(capacity_blocks=50)
+        keys = [key(i) for i in range(40)]
+        await tier.write_many(keys, [block(i) for i in range(40)])
+        into = [bytearray(BLOCK) for _ in keys]
+        await tier.read_many(keys, [memoryview(b) for b in into])
+        assert [bytes(b) for b in into] == [bytes(block(i)) for i in range(40)]
+    finally:
+        bulk._reset_for_tests(None)

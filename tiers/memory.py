@@ -7,6 +7,12 @@ evictions through :meth:`AsyncTier.report_removed`.
 Every operation completes without awaiting anything, so it is trivially
 cancellation-safe: a write either happened entirely or not at all.
 
+Block bytes move outside the GIL: a call's copies are gathered into one
+table of addresses and moved by one :func:`tiering.copy.bulk.copy_regions`
+(per 8 MiB in the batch forms), which releases the GIL for every copy of
+16 KiB or more and between 16 KiB batches of smaller ones, so the scheduler
+thread keeps running Python while this tier copies.
+
 Config (``secondary_tiers`` entry)::
 
     {"type": "memory", "capacity_bytes": 8 << 30, "eviction_policy": "arc"}
@@ -22,15 +28,13 @@ from typing import Any, cast
 
 import numpy as np
 
+from tiering.copy.bulk import address_of, copy_regions
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
 from tiering.policies import POLICY_NAMES, EvictionPolicy, make_policy
 from tiering.tier import AsyncTier, TierContext
 
 logger = logging.getLogger(__name__)
-
-#: Blocks at least this large are copied by numpy with the GIL released.
-_GIL_FREE_COPY_BYTES = 256 << 10
 
 #: Batch forms yield to the event loop after copying this many bytes, so a
 #: large batch never holds the loop for more than a few milliseconds.
@@ -94,6 +98,7 @@ class MemoryTier(AsyncTier):
                 )
             self.capacity_blocks = blocks
         self._block_bytes = context.block_bytes
+        self._store = _HeapStore(context.block_bytes)
         if self.capacity_blocks is not None:
             self._policy = make_policy(self._policy_name, self.capacity_blocks)
             self._store = _ArenaStore(self.capacity_blocks, context.block_bytes)
@@ -110,6 +115,7 @@ class MemoryTier(AsyncTier):
     async def read(self, key: OffloadKey, into: memoryview) -> None:
         """Copy ``key``'s block into ``into``. Cancellation: the copy is atomic."""
         self._read_now(key, into)
+        self._flush_or_raise(key, writing=False)
 
     async def write(self, key: OffloadKey, data: memoryview) -> None:
         """Keep a copy of ``data`` as ``key``'s block, evicting if full.
@@ -117,6 +123,7 @@ class MemoryTier(AsyncTier):
         Cancellation: the copy is atomic (the block is either absent or complete).
         """
         self._write_now(key, data)
+        self._flush_or_raise(key, writing=True)
 
     async def delete(self, key: OffloadKey) -> None:
         """Drop ``key``'s block if held. Cancellation: atomic."""
@@ -155,9 +162,12 @@ class MemoryTier(AsyncTier):
             raise ValueError(f"buffer of {buffer.nbytes} bytes; blocks are {self._block_bytes}")
 
     def _read_now(self, key: OffloadKey, into: memoryview) -> None:
+        """Queue the copy of ``key``'s block into ``into`` (done by the next ``flush``)."""
         if into.nbytes != self._block_bytes:
             self._check_size(into)
-        if not self._store.copy_out(key, into):
+        if into.readonly:
+            raise ValueError("cannot read a block into a read-only buffer")
+        if not self._store.copy_out(key, address_of(into)):
             raise BlockNotFound(key)
         if self._policy is not None:
             self._policy.access(key)
@@ -168,12 +178,17 @@ class MemoryTier(AsyncTier):
             self.report_removed(victims)
 
     def _put(self, key: OffloadKey, data: memoryview) -> list[OffloadKey]:
-        """Store ``data`` as ``key``'s block; return the keys evicted to make room."""
+        """Store ``data`` as ``key``'s block; return the keys evicted to make room.
+
+        The copy itself is queued: the caller flushes the store before it
+        awaits anything or returns, so no other coroutine sees the key early.
+        """
         if data.nbytes != self._block_bytes:
             self._check_size(data)
+        source = address_of(data)
         store, policy = self._store, self._policy
         if key in store:
-            store.put(key, data)
+            store.put(key, source, data)
             if policy is not None:
                 policy.access(key)
             return _NONE
@@ -185,10 +200,32 @@ class MemoryTier(AsyncTier):
             ]
             for victim in victims:
                 store.drop(victim)
-        store.put(key, data)
+        store.put(key, source, data)
         if policy is not None:
             policy.insert(key)
         return victims
+
+    def _flush(
+        self, keys: list[OffloadKey], errors: dict[OffloadKey, BaseException], *, writing: bool
+    ) -> None:
+        """Run the queued copies of ``keys``; if they fail, those keys move to ``errors``.
+
+        A failed write leaves its keys absent (dropped); a failed read changes nothing.
+        """
+        try:
+            self._store.flush()
+        except OSError as exc:
+            for key in keys:
+                errors[key] = exc
+                if writing and self._store.drop(key) and self._policy is not None:
+                    self._policy.remove(key)
+            keys.clear()
+
+    def _flush_or_raise(self, key: OffloadKey, *, writing: bool) -> None:
+        errors: dict[OffloadKey, BaseException] = {}
+        self._flush([key], errors, writing=writing)
+        if errors:
+            raise errors[key]
 
     async def _batch(
         self,
@@ -198,14 +235,18 @@ class MemoryTier(AsyncTier):
     ) -> None:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        errors: dict[bytes, BaseException] = {}
-        succeeded: list[bytes] = []
+        errors: dict[OffloadKey, BaseException] = {}
+        succeeded: list[OffloadKey] = []
+        queued: list[OffloadKey] = []  # keys whose copies wait for the next flush
         copied = 0
         writing = operation == self._write_now
         evicted = self._make_room(keys) if writing else []
         for key, buffer in zip(keys, buffers, strict=True):
             if copied >= _YIELD_EVERY_BYTES:
                 copied = 0
+                self._flush(queued, errors, writing=writing)
+                succeeded.extend(queued)
+                queued = []
                 if evicted:  # report before yielding: lookups must not outlive the block
                     self.report_removed(evicted)
                     evicted = []
@@ -218,12 +259,14 @@ class MemoryTier(AsyncTier):
             except Exception as exc:
                 errors[key] = exc
             else:
-                succeeded.append(key)
+                queued.append(key)
                 copied += buffer.nbytes
+        self._flush(queued, errors, writing=writing)
+        succeeded.extend(queued)
         if evicted:
             self.report_removed(evicted)
         if errors:
-            raise PartialBatchError(succeeded, errors)
+            raise PartialBatchError(succeeded, cast(dict[bytes, BaseException], errors))
 
     def _make_room(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """Evict, in one policy call, room for the new keys of a batch (not its own keys).
@@ -248,11 +291,38 @@ class MemoryTier(AsyncTier):
 _NONE: list[OffloadKey] = []  # shared empty result (never mutated)
 
 
-class _HeapStore:
-    """Unbounded: one ``bytes`` object per block."""
+class _CopyQueue:
+    """Copies of whole blocks, queued by address and run in one bulk call by ``flush``."""
 
-    def __init__(self) -> None:
-        self.blocks: dict[OffloadKey, bytes] = {}
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self._src: list[int] = []
+        self._dst: list[int] = []
+        # What the queued addresses point into, kept alive until the copies ran.
+        self._holds: list[object] = []
+
+    def add(self, src: int, dst: int, hold: object) -> None:
+        self._src.append(src)
+        self._dst.append(dst)
+        if hold is not None:
+            self._holds.append(hold)
+
+    def flush(self) -> None:
+        if not self._src:
+            return
+        src, dst, self._src, self._dst = self._src, self._dst, [], []
+        try:
+            copy_regions(src, dst, self.block_bytes)
+        finally:
+            self._holds.clear()
+
+
+class _HeapStore(_CopyQueue):
+    """Unbounded: one numpy array per block (allocated uninitialised, then copied into)."""
+
+    def __init__(self, block_bytes: int = 0) -> None:
+        super().__init__(block_bytes)
+        self.blocks: dict[OffloadKey, tuple[np.ndarray[Any, np.dtype[np.uint8]], int]] = {}
 
     def __contains__(self, key: object) -> bool:
         return key in self.blocks
@@ -263,15 +333,19 @@ class _HeapStore:
     def keys(self) -> list[OffloadKey]:
         return list(self.blocks)
 
-    def copy_out(self, key: OffloadKey, into: memoryview) -> bool:
-        block = self.blocks.get(key)
-        if block is None:
+    def copy_out(self, key: OffloadKey, into: int) -> bool:
+        held = self.blocks.get(key)
+        if held is None:
             return False
-        into[:] = block
+        self.add(held[1], into, held[0])
         return True
 
-    def put(self, key: OffloadKey, data: memoryview) -> None:
-        self.blocks[key] = bytes(data)
+    def put(self, key: OffloadKey, source: int, data: memoryview) -> None:
+        # A fresh array even when overwriting: a reader queued before keeps the old bytes.
+        block = np.empty(self.block_bytes, dtype=np.uint8)
+        address = int(block.ctypes.data)
+        self.blocks[key] = (block, address)
+        self.add(source, address, (block, data))
 
     def drop(self, key: OffloadKey) -> bool:
         return self.blocks.pop(key, None) is not None
@@ -280,21 +354,16 @@ class _HeapStore:
         self.blocks.clear()
 
 
-class _ArenaStore:
-    """Bounded: ``capacity`` fixed slots of one anonymous mapping, reused after eviction.
-
-    Blocks of at least :data:`_GIL_FREE_COPY_BYTES` are copied with numpy,
-    which releases the GIL during the copy, so the scheduler thread keeps
-    running Python meanwhile; smaller copies are cheaper than the GIL hand-off.
-    """
+class _ArenaStore(_CopyQueue):
+    """Bounded: ``capacity`` fixed slots of one anonymous mapping, reused after eviction."""
 
     def __init__(self, capacity: int, block_bytes: int) -> None:
+        super().__init__(block_bytes)
         self._map: mmap.mmap | None = mmap.mmap(-1, capacity * block_bytes)
-        self._arena = memoryview(self._map)
-        self._rows: np.ndarray[Any, np.dtype[np.uint8]] | None = None
-        if block_bytes >= _GIL_FREE_COPY_BYTES:
-            self._rows = np.frombuffer(self._map, dtype=np.uint8).reshape(capacity, block_bytes)
-        self._block_bytes = block_bytes
+        self._arena: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
+            self._map, dtype=np.uint8
+        )
+        self._base = int(self._arena.ctypes.data)
         self._capacity = capacity
         self._slots: dict[OffloadKey, int] = {}
         self._free: list[int] = []
@@ -309,18 +378,14 @@ class _ArenaStore:
     def keys(self) -> list[OffloadKey]:
         return list(self._slots)
 
-    def copy_out(self, key: OffloadKey, into: memoryview) -> bool:
+    def copy_out(self, key: OffloadKey, into: int) -> bool:
         slot = self._slots.get(key)
         if slot is None:
             return False
-        if self._rows is not None:
-            np.copyto(np.frombuffer(into, dtype=np.uint8), self._rows[slot])
-        else:
-            start = slot * self._block_bytes
-            into[:] = self._arena[start : start + self._block_bytes]
+        self.add(self._base + slot * self.block_bytes, into, None)
         return True
 
-    def put(self, key: OffloadKey, data: memoryview) -> None:
+    def put(self, key: OffloadKey, source: int, data: memoryview) -> None:
         slot = self._slots.get(key)
         if slot is None:
             if self._free:
@@ -329,11 +394,9 @@ class _ArenaStore:
                 slot, self._never_used = self._never_used, self._never_used + 1
             else:
                 raise RuntimeError("memory tier arena is full (evict before storing)")
-        if self._rows is not None:
-            np.copyto(self._rows[slot], np.frombuffer(data, dtype=np.uint8))
-        else:
-            start = slot * self._block_bytes
-            self._arena[start : start + self._block_bytes] = data
+        # Copies run in queue order, so a slot evicted and reused within one
+        # batch ends up holding the later block.
+        self.add(source, self._base + slot * self.block_bytes, data)
         self._slots[key] = slot
 
     def drop(self, key: OffloadKey) -> bool:
@@ -347,8 +410,7 @@ class _ArenaStore:
         self._slots.clear()
         self._free.clear()
         if self._map is not None:
-            self._rows = None  # drop the array's export of the mapping first
-            self._arena.release()
+            self._arena = None  # drop the array's export of the mapping first
             self._map.close()
             self._map = None
 

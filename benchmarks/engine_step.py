@@ -1,0 +1,570 @@
+"""Scheduler step time while each tier serves a realistic job mix, against steps alone, in one run.
+
+    .venv/bin/python benchmarks/engine_step.py            # every tier, ~1 minute
+    .venv/bin/python benchmarks/engine_step.py --quick    # smaller counts
+    .venv/bin/python benchmarks/engine_step.py --tiers memory fs-threads
+
+The main thread plays an inference engine's scheduler thread. Each step it
+runs a fixed pure-Python ``schedule()`` shaped like vLLM's v1 scheduler at a
+realistic batch (``--running`` decoding requests, chunked prefill of waiting
+ones under a token budget, block allocation from a free queue, prefix-cache
+hash lookups, the per-request output dicts, then ``update_from_output``),
+and then does what the offloading connector does with a secondary tier
+through the real facade (:class:`~tiering.runtime.AsyncTierManager`): prefix
+lookups, store (cascade) and load (promotion) jobs kept at ``--in-flight``
+jobs per tier (the tier flat out), and ``get_finished``. ``--forward-ms``
+adds a GIL-free wait after each step, as a real engine waits for the GPU's
+forward pass (default 0: the scheduler thread never rests, the worst case).
+
+For each tier (``memory``, ``fs-threads``, ``fs-uring``, ``redis`` on
+loopback with a redis-server started here) the steps run alone and with the
+tier, in alternating rounds, and the table reports the ``schedule()`` time
+p50/p99 against the alone rounds (targets: p50 <= 1.10x, p99 <= 1.25x,
+printed as met/missed), the whole step's wall time (facade calls included),
+the tier's blocks/s and its loop thread's CPU time per block. A tier that
+cannot run here (io_uring unavailable, no redis-server) is skipped with the
+reason. Figures of a shared machine are noisy: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiering.jobs import JobMetadata
+from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.runtime import AsyncTierManager
+
+KIB = 1024
+MIB = 1024 * KIB
+TIERS = ("memory", "fs-threads", "fs-uring", "redis")
+P50_TARGET = 1.10
+P99_TARGET = 1.25
+
+
+# -- the scheduler's own work ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Request:
+    """The part of vLLM's ``Request`` that ``schedule()`` reads and writes."""
+
+    req_id: str
+    prompt_tokens: int
+    max_tokens: int
+    priority: int
+    arrival: float
+    num_computed: int = 0
+    output_tokens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + len(self.output_tokens)
+
+
+class ToyScheduler:
+    """A deterministic stand-in for vLLM's ``Scheduler.schedule`` + ``update_from_output``.
+
+    Pure Python, the same data-structure traffic per request as the real one
+    (no numpy, no I/O), so its time measures only the interpreter and the GIL.
+    """
+
+    def __init__(
+        self, running: int, token_budget: int = 8192, block_size: int = 16, seed: int = 0
+    ) -> None:
+        self.block_size = block_size
+        self.token_budget = token_budget
+        self.target_running = running
+        self.free_blocks: deque[int] = deque(range(running * 256))
+        self.prefix_cache: dict[int, int] = {}
+        self.running: list[Request] = []
+        self.waiting: list[tuple[int, float, int, Request]] = []
+        self.next_id = 0
+        self.rng_state = seed * 2654435761 + 1
+        self.step_index = 0
+        for _ in range(running):
+            self._admit_new()
+        while self.waiting:  # start in steady state: everyone decoding
+            _, _, _, req = heapq.heappop(self.waiting)
+            req.num_computed = req.prompt_tokens
+            self._allocate(req, req.prompt_tokens)
+            self.running.append(req)
+
+    def _rand(self, bound: int) -> int:
+        self.rng_state = (self.rng_state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        return (self.rng_state >> 33) % bound
+
+    def _admit_new(self) -> None:
+        self.next_id += 1
+        req = Request(
+            req_id=f"req-{self.next_id}",
+            prompt_tokens=64 + self._rand(2000),
+            max_tokens=16 + self._rand(400),
+            priority=self._rand(4),
+            arrival=float(self.next_id),
+        )
+        req.block_hashes = [
+            hash((req.prompt_tokens, i)) for i in range(req.prompt_tokens // self.block_size)
+        ]
+        heapq.heappush(self.waiting, (req.priority, req.arrival, self.next_id, req))
+
+    def _allocate(self, req: Request, new_tokens: int) -> list[int] | None:
+        need = -(-(req.num_computed + new_tokens) // self.block_size) - len(req.block_ids)
+        if need > len(self.free_blocks):
+            return None
+        fresh = [self.free_blocks.popleft() for _ in range(max(0, need))]
+        req.block_ids.extend(fresh)
+        return fresh
+
+    def step(self) -> int:
+        """One ``schedule()`` and its ``update_from_output``; returns the tokens scheduled."""
+        budget = self.token_budget
+        scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+        # 1. Running requests first (decode, or the rest of a chunked prefill).
+        for req in self.running:
+            if budget <= 0:
+                break
+            num_new = min(req.num_tokens - req.num_computed, budget) or 1
+            blocks = self._allocate(req, num_new)
+            if blocks is None:
+                preempted.append(req)
+                continue
+            scheduled[req.req_id] = num_new
+            new_blocks[req.req_id] = blocks
+            budget -= num_new
+        # 2. Waiting requests by priority: prefix-cache hits, then a chunk of prefill.
+        admitted: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.target_running:
+            _, _, _, req = heapq.heappop(self.waiting)
+            hits = 0
+            for h in req.block_hashes:
+                if self.prefix_cache.get(h) is None:
+                    break
+                hits += 1
+            req.num_computed = hits * self.block_size
+            num_new = min(req.num_tokens - req.num_computed, budget)
+            blocks = self._allocate(req, num_new)
+            if blocks is None:
+                heapq.heappush(self.waiting, (req.priority, req.arrival, self.next_id, req))
+                break
+            scheduled[req.req_id] = num_new
+            new_blocks[req.req_id] = blocks
+            budget -= num_new
+            admitted.append(req)
+        self.running.extend(admitted)
+        output = {
+            "scheduled_new_reqs": [r.req_id for r in admitted],
+            "num_scheduled_tokens": scheduled,
+            "new_block_ids": new_blocks,
+            "total": sum(scheduled.values()),
+            "preempted": [r.req_id for r in preempted],
+        }
+        # 3. update_from_output: sampled tokens, finished requests free their blocks.
+        still: list[Request] = []
+        for req in self.running:
+            n = scheduled.get(req.req_id)
+            if n is None:
+                still.append(req)
+                continue
+            req.num_computed += n
+            if req.num_computed >= req.prompt_tokens:
+                req.output_tokens.append(self._rand(32000))
+                full = req.num_computed // self.block_size
+                for i in range(max(0, full - 1), min(full, len(req.block_hashes))):
+                    self.prefix_cache[req.block_hashes[i]] = req.block_ids[i]
+            if len(req.output_tokens) >= req.max_tokens:
+                self.free_blocks.extend(req.block_ids)
+                self._admit_new()
+            else:
+                still.append(req)
+        for req in preempted:  # recompute later, as vLLM's recompute preemption does
+            self.free_blocks.extend(req.block_ids)
+            req.block_ids, req.num_computed = [], 0
+            heapq.heappush(self.waiting, (req.priority, req.arrival, self.next_id, req))
+        self.running = [r for r in still if r not in preempted]
+        if len(self.prefix_cache) > 200_000:
+            self.prefix_cache.clear()
+        self.step_index += 1
+        return int(output["total"])  # type: ignore[call-overload]
+
+
+# -- the tiers ---------------------------------------------------------------------------------
+
+
+class Skip(Exception):
+    """This tier cannot run on this machine (the message says why)."""
+
+
+@dataclass
+class Rig:
+    manager: AsyncTierManager
+    description: str
+    primary: np.ndarray[Any, np.dtype[np.uint8]]
+
+
+@contextlib.contextmanager
+def open_tier(kind: str, args: argparse.Namespace, scratch: Path) -> Iterator[Rig]:
+    """The tier ``kind`` behind a facade over fresh page-aligned primary rows (a context)."""
+    block = args.block_kib * KIB
+    rows = args.in_flight * args.blocks_per_job
+    # Anonymous mmap: page-aligned rows, as the real primary tier's buffer (O_DIRECT-able).
+    import mmap
+
+    mapping = mmap.mmap(-1, rows * block)
+    primary = np.frombuffer(mapping, dtype=np.uint8).reshape(rows, block)
+    primary[:] = np.random.default_rng(1).integers(0, 256, primary.shape, dtype=np.uint8)
+    capacity_blocks = max(4 * rows, (args.tier_mib * MIB) // block)
+    tier: Any
+    server: Any = None
+    description = ""
+    try:
+        if kind == "memory":
+            from tiers.memory import MemoryTier
+
+            tier = MemoryTier(capacity_blocks=capacity_blocks)
+            description = f"memory, {capacity_blocks} blocks"
+        elif kind.startswith("fs-"):
+            backend = kind.removeprefix("fs-")
+            if backend == "uring":
+                from tiers.fs.io import uring_unavailable_reason
+
+                reason = uring_unavailable_reason()
+                if reason:
+                    raise Skip(f"io_uring unavailable: {reason}")
+            from tiers.fs import FileSystemTier
+
+            root = scratch / kind
+            root.mkdir(parents=True, exist_ok=True)
+            tier = FileSystemTier(
+                root_dir=root, capacity_bytes=capacity_blocks * block, io_backend=backend
+            )
+            description = f"fs, io_backend={backend}"
+        elif kind == "redis":
+            if shutil.which("redis-server") is None:
+                raise Skip("redis-server is not installed (apt-get install redis-server)")
+            from tests.support.redis_server import RedisServer
+            from tiers.redis import RedisTier
+
+            server = RedisServer(scratch / "redis").start()
+            tier = RedisTier(url=server.url, namespace="engine-step")
+            description = f"redis on loopback ({server.url})"
+        else:
+            raise Skip(f"unknown tier {kind!r}; choose from {', '.join(TIERS)}")
+        manager = AsyncTierManager(
+            tier,
+            memoryview(mapping),
+            kind,
+            block_bytes=block,
+            job_timeout_s=120.0,
+            layout_fingerprint=f"engine-step-{block}",
+        )
+        try:
+            if kind.startswith("fs-"):
+                got = manager.tier.stats.io_backend  # type: ignore[attr-defined]
+                description += f" (running: {got})"
+            yield Rig(manager, description, primary)
+        finally:
+            manager.shutdown()
+    finally:
+        if server is not None:
+            server.stop()
+        del primary
+        with contextlib.suppress(BufferError):
+            mapping.close()
+
+
+class JobMix:
+    """What the connector asks of one tier each step, keeping ``in_flight`` jobs queued.
+
+    Half the jobs store fresh blocks (cascades), half load blocks stored
+    earlier (promotions); each in-flight job owns its own primary rows.
+    ``lookups`` prefix lookups per step. Counts blocks moved and failures.
+    """
+
+    def __init__(
+        self, manager: AsyncTierManager, in_flight: int, per_job: int, lookups: int
+    ) -> None:
+        self.manager = manager
+        self.in_flight = in_flight
+        self.per_job = per_job
+        self.lookups = lookups
+        self.free_slots = list(range(in_flight))
+        self.jobs: dict[int, tuple[int, tuple[OffloadKey, ...], bool]] = {}
+        self.stored: deque[tuple[OffloadKey, ...]] = deque(maxlen=256)
+        self.next_job = 0
+        self.next_key = 0
+        self.blocks_moved = 0
+        self.failures = 0
+        self.store_next = True
+
+    def _keys(self) -> tuple[OffloadKey, ...]:
+        base = self.next_key
+        self.next_key += self.per_job
+        return tuple(
+            make_offload_key((base + i).to_bytes(8, "big") + b"engine-step-key!", 0)
+            for i in range(self.per_job)
+        )
+
+    def step(self) -> None:
+        manager = self.manager
+        for result in manager.get_finished():
+            slot, keys, load = self.jobs.pop(result.job_id)
+            self.free_slots.append(slot)
+            if result.success:
+                self.blocks_moved += len(keys)
+                if not load:
+                    self.stored.append(keys)
+            elif not load:
+                self.failures += 1
+        if self.stored:
+            probe = self.stored[self.next_job % len(self.stored)]
+            for i in range(self.lookups):
+                manager.lookup(probe[i % len(probe)], NO_CONTEXT)
+        while self.free_slots:
+            slot = self.free_slots.pop()
+            load = not self.store_next and bool(self.stored)
+            self.store_next = not self.store_next
+            keys = self.stored[self.next_job % len(self.stored)] if load else self._keys()
+            self.next_job += 1
+            rows = np.arange(slot * self.per_job, (slot + 1) * self.per_job, dtype=np.int64)
+            meta = JobMetadata(self.next_job, keys, rows, load)
+            self.jobs[self.next_job] = (slot, keys, load)
+            if load:
+                manager.submit_load(meta)
+            else:
+                manager.submit_store(meta)
+
+    def finish(self, timeout_s: float = 120.0) -> None:
+        self.manager.drain(timeout_s)
+        for result in self.manager.get_finished():
+            slot, keys, _ = self.jobs.pop(result.job_id)
+            self.free_slots.append(slot)
+            if result.success:
+                self.blocks_moved += len(keys)
+
+
+# -- measuring -----------------------------------------------------------------------------------
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
+
+
+def thread_cpu(thread: threading.Thread) -> Callable[[], float]:
+    """A reader of ``thread``'s CPU seconds (0.0 where the platform cannot tell)."""
+    ident = thread.ident
+    if ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return lambda: 0.0
+    clock = time.pthread_getcpuclockid(ident)
+    return lambda: time.clock_gettime(clock)
+
+
+@dataclass
+class Phase:
+    schedule_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+
+
+def run_steps(
+    scheduler: ToyScheduler,
+    seconds: float,
+    between: Callable[[], None] | None,
+    into: Phase,
+    forward_s: float = 0.0,
+) -> None:
+    """Steps back to back for ``seconds``; ``forward_s`` of GIL-free waiting after each
+    (the GPU's forward pass, during which a real scheduler thread sleeps)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        scheduler.step()
+        t1 = time.perf_counter()
+        if between is not None:
+            between()
+        into.schedule_s.append(t1 - t0)
+        into.step_s.append(time.perf_counter() - t0)
+        if forward_s:
+            time.sleep(forward_s)
+
+
+@dataclass
+class TierRow:
+    tier: str
+    description: str
+    skipped: str = ""
+    alone: Phase = field(default_factory=Phase)
+    busy: Phase = field(default_factory=Phase)
+    blocks_per_s: float = 0.0
+    loop_cpu_us_per_block: float = 0.0
+    failures: int = 0
+
+
+def bench_tier(kind: str, args: argparse.Namespace, scratch: Path) -> TierRow:
+    row = TierRow(kind, "")
+    try:
+        with open_tier(kind, args, scratch) as rig:
+            row.description = rig.description
+            scheduler = ToyScheduler(args.running)
+            mix = JobMix(rig.manager, args.in_flight, args.blocks_per_job, args.lookups)
+            loop_thread = rig.manager._thread.thread  # the tier's event-loop thread
+            loop_cpu = thread_cpu(loop_thread)
+            run_steps(scheduler, 0.2, mix.step, Phase())  # warm up: first stores, allocations
+            mix.finish()
+            run_steps(scheduler, 0.2, None, Phase())
+            blocks0, cpu0, busy_s = mix.blocks_moved, loop_cpu(), 0.0
+            for _ in range(args.rounds):
+                slice_s, forward_s = args.seconds / args.rounds / 2, args.forward_ms / 1e3
+                run_steps(scheduler, slice_s, None, row.alone, forward_s)
+                t0 = time.perf_counter()
+                run_steps(scheduler, slice_s, mix.step, row.busy, forward_s)
+                busy_s += time.perf_counter() - t0
+                mix.finish()  # between rounds: the alone steps see an idle tier
+            moved = mix.blocks_moved - blocks0
+            row.blocks_per_s = moved / busy_s if busy_s else 0.0
+            row.loop_cpu_us_per_block = (loop_cpu() - cpu0) / moved * 1e6 if moved else 0.0
+            row.failures = mix.failures
+    except Skip as exc:
+        row.skipped = str(exc)
+    return row
+
+
+def _wall(phase: Phase) -> str:
+    return f"{pct(phase.step_s, 50) * 1e6:.0f} / {pct(phase.step_s, 99) * 1e6:.0f}"
+
+
+def report(rows: list[TierRow], args: argparse.Namespace) -> None:
+    header = (
+        "tier",
+        "schedule p50 us",
+        "p50 ratio",
+        "schedule p99 us",
+        "p99 ratio",
+        "step wall p50/p99 us",
+        "blocks/s",
+        "loop CPU us/block",
+        f"p50 <= {P50_TARGET:.2f}x",
+        f"p99 <= {P99_TARGET:.2f}x",
+    )
+    lines: list[tuple[str, ...]] = []
+    notes: list[str] = []
+    for row in rows:
+        if row.skipped:
+            notes.append(f"- {row.tier}: skipped: {row.skipped}")
+            continue
+        a50, a99 = pct(row.alone.schedule_s, 50), pct(row.alone.schedule_s, 99)
+        b50, b99 = pct(row.busy.schedule_s, 50), pct(row.busy.schedule_s, 99)
+        r50, r99 = b50 / a50, b99 / a99
+        lines.append(
+            (
+                f"steps alone ({row.tier} rounds)",
+                f"{a50 * 1e6:.0f}",
+                "1.00x",
+                f"{a99 * 1e6:.0f}",
+                "1.00x",
+                _wall(row.alone),
+                "-",
+                "-",
+                "",
+                "",
+            )
+        )
+        lines.append(
+            (
+                row.tier,
+                f"{b50 * 1e6:.0f}",
+                f"{r50:.2f}x",
+                f"{b99 * 1e6:.0f}",
+                f"{r99:.2f}x",
+                _wall(row.busy),
+                f"{row.blocks_per_s:,.0f}",
+                f"{row.loop_cpu_us_per_block:.1f}",
+                "met" if r50 <= P50_TARGET else "missed",
+                "met" if r99 <= P99_TARGET else "missed",
+            )
+        )
+        notes.append(
+            f"- {row.tier}: {row.description}; {len(row.busy.schedule_s)} steps with the tier, "
+            f"{len(row.alone.schedule_s)} alone; failed store jobs: {row.failures}"
+        )
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in lines:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+    print()
+    print("\n".join(notes))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.ERROR)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS)
+    parser.add_argument("--quick", action="store_true", help="short phases (checks the script)")
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per tier")
+    parser.add_argument("--rounds", type=int, default=4, help="alone/with-tier alternations")
+    parser.add_argument("--running", type=int, default=256, help="requests in the batch")
+    parser.add_argument("--block-kib", type=int, default=256, help="tier block size (KiB)")
+    parser.add_argument("--blocks-per-job", type=int, default=16)
+    parser.add_argument("--in-flight", type=int, default=16, help="jobs kept in flight per tier")
+    parser.add_argument("--lookups", type=int, default=32, help="tier lookups per step")
+    parser.add_argument("--tier-mib", type=int, default=512, help="tier capacity (MiB)")
+    parser.add_argument("--scratch", type=Path, default=None, help="directory for fs/redis files")
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="GIL-free wait after each step, as for a GPU forward pass (default 0: the "
+        "scheduler thread never rests, the worst case)",
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the run (default: leave CPython's 5 ms)",
+    )
+    args = parser.parse_args(argv)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    if args.quick:
+        args.seconds, args.rounds, args.running = 1.0, 2, 64
+        args.block_kib, args.blocks_per_job, args.in_flight, args.tier_mib = 64, 4, 4, 32
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, batch of {args.running} "
+        f"requests; tier blocks {args.block_kib} KiB x {args.blocks_per_job} per job, "
+        f"{args.in_flight} jobs in flight, {args.lookups} lookups/step, "
+        f"{args.forward_ms:g} ms forward wait per step; "
+        f"switch interval {sys.getswitchinterval() * 1e3:g} ms. Shared machines are noisy: "
+        "compare within one run.\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="engine-step-", dir=args.scratch) as tmp:
+        rows = [bench_tier(kind, args, Path(tmp)) for kind in args.tiers]
+    report(rows, args)
+
+
+if __name__ == "__main__":
+    main()
