@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from tiering.auth import BlockAuthenticator, authenticator_from_options
 from tiering.errors import ConfigError
 from tiers.redis.layout import NAMESPACE_PATTERN
 
@@ -85,6 +86,13 @@ class RedisTierConfig:
     max_reconnect_interval_s: float = 10.0
     ttl_s: float | None = None
     max_pipeline_bytes: int = 64 << 20
+    auth_key_file: str | None = None
+    auth_key_env: str | None = None
+    #: Built from ``auth_key_file`` / ``auth_key_env`` (None without them); the key
+    #: itself lives only in here and never appears in a repr or message.
+    authenticator: BlockAuthenticator | None = field(
+        init=False, repr=False, compare=False, default=None
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -158,6 +166,12 @@ class RedisTierConfig:
             ttl = _positive_number("ttl_s", self.ttl_s)
             if ttl < 0.001:
                 raise _err("ttl_s", f"must be at least 0.001 (one millisecond), got {ttl}")
+        # Reads the key now: a missing, short or world-readable key fails the config.
+        authenticator = authenticator_from_options(
+            {"auth_key_file": self.auth_key_file, "auth_key_env": self.auth_key_env},
+            "redis tier: ",
+        )
+        object.__setattr__(self, "authenticator", authenticator)
 
     @property
     def uses_tls(self) -> bool:
