@@ -45,13 +45,9 @@ class RejectionLog:
     def note(self, rejected: RejectedValue) -> None:
         """Count ``rejected``; log it if its reason was not logged within the interval."""
         kind = rejected.kind
-        now = self._clock()
-        if now < self._next_at.get(kind, float("-inf")):
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+        since = self._admit(kind)
+        if since is None:
             return
-        self._next_at[kind] = now + self._interval_s
-        since = self._suppressed.pop(kind, 0)
-        more = f" ({since} more since the last such line)" if since else ""
         self._logger.warning(
             "%s: rejected a stored value (%s: %s); not served, and deleted unless "
             "rewritten since: %s%s",
@@ -59,5 +55,31 @@ class RejectionLog:
             kind,
             _ADVICE.get(kind, "failed verification"),
             rejected,
-            more,
+            _more(since),
         )
+
+    def note_delete_failure(self, where: str, count: int, error: object) -> None:
+        """Rejected values could not be deleted (e.g. ACLs without ``EVAL``); rate limited."""
+        since = self._admit("delete-failed")
+        if since is None:
+            return
+        self._logger.warning(
+            "%s: could not delete %d rejected value(s) (they stay misses for this tier): %s%s",
+            where,
+            count,
+            error,
+            _more(since),
+        )
+
+    def _admit(self, kind: str) -> int | None:
+        """How many ``kind`` events were suppressed since the last line, or None to stay quiet."""
+        now = self._clock()
+        if now < self._next_at.get(kind, float("-inf")):
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return None
+        self._next_at[kind] = now + self._interval_s
+        return self._suppressed.pop(kind, 0)
+
+
+def _more(since: int) -> str:
+    return f" ({since} more since the last such line)" if since else ""

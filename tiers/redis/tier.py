@@ -590,22 +590,16 @@ class RedisTier(AsyncTier):
         try:
             replies = await self._round_trip("DEL", fill)
         except Exception as exc:
-            logger.warning(
-                "%s: could not delete %d rejected value(s): %s",
-                self._where("DEL"),
-                len(rejected),
-                exc,
-            )
+            self._note_delete_failure(len(rejected), exc)
             return
         self.stats.rejected_deleted += sum(1 for reply in replies if reply == 1)
         failures = [reply for reply in replies if isinstance(reply, BaseException)]
         if failures:
-            logger.warning(
-                "%s: could not delete %d rejected value(s): %s",
-                self._where("DEL"),
-                len(failures),
-                failures[0],
-            )
+            self._note_delete_failure(len(failures), failures[0])
+
+    def _note_delete_failure(self, count: int, error: BaseException) -> None:
+        if self._rejections is not None:
+            self._rejections.note_delete_failure(self._where("DEL"), count, error)
 
 
 #: Deletes KEYS[1] only if it still holds the value whose SHA-1 is ARGV[1] (an
