@@ -13,6 +13,7 @@ from tiering.auth import BlockAuthenticator
 from tiering.errors import ConfigError, CorruptBlock
 from tiering.keys import make_offload_key
 from tiers.redis import HEADER_LEN, BlockLayout, RedisTier, RedisTierConfig
+from tiers.redis import layout as layout_module
 from tiers.redis.errors import RejectedValue
 from tiers.redis.gate import ReconnectGate
 from tiers.redis.layout import AUTH_HEADER_LEN, MAGIC, ValueBuffers
@@ -366,3 +367,26 @@ def test_auth_settings_are_checked_at_construction(monkeypatch: pytest.MonkeyPat
     assert "a-long-enough-secret-key" not in repr(config) and config.authenticator is not None
     assert RedisTier(auth_key_env="KVT_FORMAT_TEST_KEY").verifies_reads
     assert not RedisTier().verifies_reads
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["numpy-copies", "memoryview-copies"])
+@pytest.mark.parametrize("authenticated", [False, True], ids=["plain", "auth"])
+def test_both_copy_paths_round_trip_and_reject(
+    monkeypatch: pytest.MonkeyPatch, threshold: int, authenticated: bool
+) -> None:
+    monkeypatch.setattr(layout_module, "GIL_FREE_COPY_BYTES", threshold)
+    big = 512 << 10
+    chosen = BlockLayout("ns", "fp", big, AUTH if authenticated else None)
+    data = bytes(range(256)) * (big // 256)
+    value = bytearray(chosen.value_len)
+    view = chosen.encode_into(KEY, memoryview(data).cast("I"), value)
+    view.release()
+    assert bytes(value[chosen.header_len :]) == data
+    into = bytearray(big)
+    chosen.decode_into(KEY, bytes(value), memoryview(into).cast("Q"))
+    assert into == data
+    value[-1] ^= 1
+    untouched = bytearray(b"\xee" * big)
+    with pytest.raises(RejectedValue):
+        chosen.decode_into(KEY, bytes(value), memoryview(untouched))
+    assert untouched == b"\xee" * big

@@ -41,6 +41,7 @@ from __future__ import annotations
 import re
 import struct
 
+import numpy as np
 import xxhash
 
 from tiering.auth import TAG_BYTES, BlockAuthenticator
@@ -58,6 +59,12 @@ HEADER_LEN = _HEADER.size
 AUTH_HEADER_LEN = _AUTH_HEADER.size
 #: Every format starts with these fields.
 _COMMON = struct.Struct("<4sBBHQQQ")
+
+#: Payload copies of at least this many bytes go through numpy, which releases the
+#: GIL while it copies: the scheduler thread keeps running Python during a large
+#: block's copy. Smaller copies (a few microseconds) are cheaper than handing the
+#: GIL over and back, and barely delay anyone.
+GIL_FREE_COPY_BYTES = 256 << 10
 
 #: Namespaces become part of every key: keep them printable, short, and free of
 #: the ``{}`` that Redis Cluster reads as a hash tag.
@@ -169,7 +176,7 @@ class BlockLayout:
         header = self.header(key, data)
         view = memoryview(value)
         view[: self.header_len] = header
-        view[self.header_len :] = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+        copy_bytes(view[self.header_len :], data)
         return view
 
     def decode_into(self, key: OffloadKey, value: bytes, into: memoryview) -> None:
@@ -182,10 +189,7 @@ class BlockLayout:
             raise ValueError(
                 f"destination is {into.nbytes} bytes, this tier stores {self.block_bytes}"
             )
-        payload = self.verified_payload(key, value)
-        if into.format != "B" or into.ndim != 1:
-            into = into.cast("B")
-        into[:] = payload
+        copy_bytes(into, self.verified_payload(key, value))
 
     def verified_payload(self, key: OffloadKey, value: bytes) -> memoryview:
         """The block bytes of ``value`` once every check passed; raises :class:`RejectedValue`."""
@@ -235,6 +239,18 @@ class BlockLayout:
 
 
 _CHECKSUM = struct.Struct("<Q")
+
+
+def copy_bytes(dest: memoryview, source: memoryview) -> None:
+    """Copy ``source`` into ``dest`` (same size, C-contiguous), without the GIL when large."""
+    if dest.format != "B" or dest.ndim != 1:
+        dest = dest.cast("B")
+    if source.format != "B" or source.ndim != 1:
+        source = source.cast("B")
+    if dest.nbytes >= GIL_FREE_COPY_BYTES:
+        np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+    else:
+        dest[:] = source
 
 
 class ValueBuffers:
