@@ -20,18 +20,29 @@ sensitive to other processes on a shared machine); compare the ratios
 (target: tier >= 80 % of raw). ``CPU s/GB`` is this process's CPU time per GB
 moved (the server's is not included).
 
-Run: ``.venv/bin/python benchmarks/redis_tier.py [--total-mib 128] [--reps 5]``.
+A second table shows what the scheduler thread feels: a pure-Python
+scheduler-like batch (the one of ``benchmarks/facade.py``) runs on the main
+thread alone, then while a Redis tier stores and loads flat out on its own
+event-loop thread, for payload copies with the GIL held (memoryview slice
+assignment: before) and released (numpy, the tier's path for blocks of at
+least ``GIL_FREE_COPY_BYTES``: after). It reports the batch's p50 and p99
+slowdown against the alone runs around it, and the tier's GB/s meanwhile.
+
+Run: ``.venv/bin/python benchmarks/redis_tier.py [--total-mib 128] [--reps 5]
+[--scheduler-s 6]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import os
 import secrets
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,6 +56,7 @@ from tests.support.redis_server import RedisServer
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.tier import TierContext
 from tiers.redis import RedisTier
+from tiers.redis import layout as redis_layout
 from tiers.redis.connection import build_client
 
 KIB = 1024
@@ -172,6 +184,115 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
     return lines
 
 
+def python_work(rounds: int = 2000) -> int:
+    """A pure-Python scheduler-like batch: dict updates and a heap (as in benchmarks/facade.py)."""
+    d: dict[int, int] = {}
+    h: list[tuple[int, int]] = []
+    acc = 0
+    for i in range(rounds):
+        d[i & 255] = d.get(i & 255, 0) + i
+        heapq.heappush(h, (i * 7919 % 1009, i))
+        if len(h) > 64:
+            acc += heapq.heappop(h)[1]
+    return acc
+
+
+def scheduler_batches(duration: float) -> list[float]:
+    times = []
+    end = time.perf_counter() + duration
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        python_work()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class TierFlatOut:
+    """A Redis tier storing and loading jobs back to back on its own event-loop thread."""
+
+    def __init__(self, url: str, block: int, job_bytes: int) -> None:
+        self.block = block
+        self.per_job = max(1, job_bytes // block)
+        self.moved = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._url = url
+        self._thread = threading.Thread(target=self._main, name="redis-tier-loop", daemon=True)
+
+    def __enter__(self) -> TierFlatOut:
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("the tier thread did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:  # reported to the main thread
+            self._error = exc
+            self._ready.set()
+
+    async def _run(self) -> None:
+        block, per_job = self.block, self.per_job
+        source = bytearray(os.urandom(block * per_job))
+        rows = [memoryview(source)[i * block : (i + 1) * block] for i in range(per_job)]
+        dest = bytearray(block * per_job)
+        dest_rows = [memoryview(dest)[i * block : (i + 1) * block] for i in range(per_job)]
+        keys = [make_offload_key(os.urandom(16), 0) for _ in range(per_job)]
+        tier = RedisTier(
+            url=self._url, namespace="bench-gil", max_blocks_in_flight=per_job, op_timeout_s=30
+        )
+        await tier.open(TierContext(block_bytes=block, layout_fingerprint="gil", name="gil"))
+        try:
+            await tier.write_many(keys, rows)
+            self._ready.set()
+            while not self._stop.is_set():
+                await tier.write_many(keys, rows)
+                await tier.read_many(keys, dest_rows)
+                self.moved += 2 * per_job * block
+            assert dest == source
+        finally:
+            await tier.aclose()
+
+
+def bench_scheduler(url: str, block: int, job_bytes: int, seconds: float) -> list[str]:
+    """Scheduler batch p50/p99 alone and while the tier works, GIL held vs released copies."""
+    lines = []
+    saved = redis_layout.GIL_FREE_COPY_BYTES
+    try:
+        for label, threshold in (("GIL held (before)", 1 << 62), ("GIL released", saved)):
+            redis_layout.GIL_FREE_COPY_BYTES = threshold
+            before = scheduler_batches(seconds / 4)
+            with TierFlatOut(url, block, job_bytes) as load:
+                t0 = time.perf_counter()
+                busy = scheduler_batches(seconds / 2)
+                rate = load.moved / (time.perf_counter() - t0) / 1e9
+            after = scheduler_batches(seconds / 4)
+            alone = sorted(before + after)
+            busy.sort()
+
+            def pct(samples: list[float], q: float) -> float:
+                return samples[min(len(samples) - 1, int(q * len(samples)))]
+
+            lines.append(
+                f"| {block // KIB:>5} KiB | {label:17} | {pct(alone, 0.5) * 1e6:7.0f} | "
+                f"{pct(alone, 0.99) * 1e6:7.0f} | {pct(busy, 0.5) / pct(alone, 0.5):5.2f}x | "
+                f"{pct(busy, 0.99) / pct(alone, 0.99):5.2f}x | {rate:5.2f} |"
+            )
+    finally:
+        redis_layout.GIL_FREE_COPY_BYTES = saved
+    return lines
+
+
 async def main_async(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="kvt-bench-redis-") as workdir:
         server = RedisServer(Path(workdir)).start()
@@ -193,6 +314,24 @@ async def main_async(args: argparse.Namespace) -> None:
                     print(line)
                 with server.client() as flush:
                     flush.flushall()
+            if args.scheduler_s > 0:
+                print(
+                    f"\nScheduler batch while the tier stores and loads flat out "
+                    f"(jobs of {args.job_mib} MiB; payload copies >= "
+                    f"{redis_layout.GIL_FREE_COPY_BYTES // KIB} KiB release the GIL)\n"
+                )
+                print(
+                    "| block     | copies            | alone p50 us | alone p99 us | "
+                    "p50 slowdown | p99 slowdown | tier GB/s meanwhile |"
+                )
+                print("|---|---|---:|---:|---:|---:|---:|")
+                for block in (*BLOCK_SIZES, 4 * MIB):
+                    for line in await asyncio.to_thread(
+                        bench_scheduler, server.url, block, args.job_mib * MIB, args.scheduler_s
+                    ):
+                        print(line)
+                    with server.client() as flush:
+                        flush.flushall()
         finally:
             server.stop()
 
@@ -202,6 +341,12 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=128, help="data per measurement")
     parser.add_argument("--job-mib", type=int, default=4, help="bytes per job (one pipeline)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--scheduler-s",
+        type=float,
+        default=6.0,
+        help="seconds per scheduler-slowdown measurement (0: skip that table)",
+    )
     args = parser.parse_args()
     os.environ[AUTH_ENV] = secrets.token_urlsafe(32)
     asyncio.run(main_async(args))
