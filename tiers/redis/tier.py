@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import logging
 import ssl
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NamedTuple
 
@@ -98,6 +99,11 @@ class RedisTier(AsyncTier):
         self._connections: asyncio.Semaphore | None = None
         self._buffers: ValueBuffers | None = None
         self._rejections: RejectionLog | None = None
+        # Headers of the values the last loads served, by key: a delete right after a
+        # load (the runtime's, of a block that failed its checksum) removes only that
+        # value, never a block another engine wrote since. Bounded; loop-owned.
+        self._served_headers: OrderedDict[OffloadKey, bytes] = OrderedDict()
+        self._max_served_headers = 2 * self.config.max_blocks_in_flight
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -284,6 +290,9 @@ class RedisTier(AsyncTier):
                 continue
             finally:
                 live[0] = False
+                served = self._served_headers
+                while len(served) > self._max_served_headers:
+                    served.popitem(last=False)
             for key, reply in zip(chunk, replies, strict=True):
                 if reply is _LOADED:
                     succeeded.append(key)
@@ -376,11 +385,21 @@ class RedisTier(AsyncTier):
     async def delete(self, key: OffloadKey) -> None:
         """Remove ``key``'s block (no error if absent).
 
-        Cancellation: the block is either still present and intact, or gone.
+        When a recent load of this tier served ``key``, only the value it served
+        is removed (compared by header on the server): what the caller saw, not
+        a block another engine wrote since. Cancellation: the block is either
+        still present and intact, or gone.
         """
         layout = self._require_layout()
         name = layout.redis_key(key)
-        (reply,) = await self._round_trip("DEL", lambda pipe: pipe.delete(name))
+        header = self._served_headers.pop(key, None)
+        if header is None:
+            (reply,) = await self._round_trip("DEL", lambda pipe: pipe.delete(name))
+        else:
+            (reply,) = await self._round_trip(
+                "DEL",
+                lambda pipe: pipe.execute_command("EVAL", _DELETE_IF_HEADER, 1, name, header),
+            )
         if isinstance(reply, BaseException):
             raise self._translate(reply, "DEL", key)
 
@@ -552,14 +571,16 @@ class RedisTier(AsyncTier):
             return RuntimeError("the load this reply belongs to has ended")
         if response is None:
             return BlockNotFound(load.key)
+        layout = self._require_layout()
         try:
-            self._require_layout().decode_into(load.key, response, load.into)
+            layout.decode_into(load.key, response, load.into)
         except RejectedValue as exc:
             # Identifies this exact value, so the delete spares a rewrite landing later.
             exc.value_sha1 = hashlib.sha1(response, usedforsecurity=False).hexdigest()
             return exc
         except Exception as exc:
             return exc
+        self._served_headers[load.key] = response[: layout.header_len]
         return _LOADED
 
     def _count_rejected(self, rejected: list[RejectedValue]) -> None:
@@ -601,6 +622,16 @@ class RedisTier(AsyncTier):
         if self._rejections is not None:
             self._rejections.note_delete_failure(self._where("DEL"), count, error)
 
+
+#: Deletes KEYS[1] only if its value still starts with the header ARGV[1] (the header
+#: holds the payload's checksum or tag, so it names the value). Returns 1 when deleted.
+_DELETE_IF_HEADER = """
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then return 0 end
+if redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[1]) - 1) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 #: Deletes KEYS[1] only if it still holds the value whose SHA-1 is ARGV[1] (an
 #: empty ARGV[1]: only if it still holds a non-string). Returns 1 when deleted.
