@@ -340,8 +340,12 @@ class RedisTier(AsyncTier):
         errors: dict[bytes, BaseException] = {}
         succeeded: list[bytes] = []
         buffers = self._require_buffers()
+        served = self._served_headers
         for lo, hi in self._chunks(len(keys)):
             chunk = keys[lo:hi]
+            if served:  # a later delete of these keys is of the value written now
+                for key in chunk:
+                    served.pop(key, None)
             taken = [buffers.take() for _ in chunk]
             commands = [
                 (layout.redis_key(k), layout.encode_into(k, d, value))
