@@ -486,7 +486,8 @@ class TierService:
         every engine sharing the tier. Runs while the load still holds the keys.
         Best effort: a tier without ``delete`` keeps the value (this process
         still never serves it: the checksum stays). Another engine's rewrite
-        landing between the read and the delete is deleted too: one more miss,
+        landing between the read and the delete is deleted too, unless the
+        tier's ``delete`` spares it (the Redis tier's does): one more miss,
         never a wrong hit. Cancellation (the job's deadline): stops deleting.
         """
         outcomes = await asyncio.gather(
@@ -715,23 +716,18 @@ class TierService:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(period):
                         await wakeup.wait()
-                self._forget(present.expire())
+                # Aged answers are asked again; checksums stay (see StoredDigests).
+                present.expire()
             wakeup.clear()
             while self._to_resolve:
                 await self._resolve_some()
 
     def _learn_present(self, key: OffloadKey) -> None:
-        """``key`` is readable in the tier (a shared tier may forget older answers for room)."""
-        forgotten = self.present.add(key)
-        if forgotten:
-            self._forget(forgotten)
+        """``key`` is readable in the tier (a shared tier may forget older answers for room).
 
-    def _forget(self, keys: list[OffloadKey]) -> None:
-        """Drop what we knew of a shared tier's ``keys`` (they may still be there).
-
-        Only the presence answers age out: a checksum this process stored stays
-        (see :class:`StoredDigests`), so the key is still verified when found again.
+        Forgotten answers are asked again when needed; their checksums stay.
         """
+        self.present.add(key)
 
     async def _resolve_some(self) -> None:
         batch: list[OffloadKey] = []
