@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -88,11 +88,6 @@ class RedisTierConfig:
     max_pipeline_bytes: int = 64 << 20
     auth_key_file: str | None = None
     auth_key_env: str | None = None
-    #: Built from ``auth_key_file`` / ``auth_key_env`` (None without them); the key
-    #: itself lives only in here and never appears in a repr or message.
-    authenticator: BlockAuthenticator | None = field(
-        init=False, repr=False, compare=False, default=None
-    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -167,11 +162,18 @@ class RedisTierConfig:
             if ttl < 0.001:
                 raise _err("ttl_s", f"must be at least 0.001 (one millisecond), got {ttl}")
         # Reads the key now: a missing, short or world-readable key fails the config.
-        authenticator = authenticator_from_options(
+        # The config keeps only where the key is, so dumping it never shows the key.
+        self.authenticator()
+
+    def authenticator(self) -> BlockAuthenticator | None:
+        """The block authenticator ``auth_key_file`` / ``auth_key_env`` ask for (reads the key).
+
+        None without either. Raises :class:`ConfigError` naming the option, never the key.
+        """
+        return authenticator_from_options(
             {"auth_key_file": self.auth_key_file, "auth_key_env": self.auth_key_env},
             "redis tier: ",
         )
-        object.__setattr__(self, "authenticator", authenticator)
 
     @property
     def uses_tls(self) -> bool:

@@ -80,9 +80,10 @@ class RedisTier(AsyncTier):
                 f"accepted: {', '.join(sorted(_SETTINGS))}"
             )
         self.config = RedisTierConfig(**settings)
+        self._authenticator = self.config.authenticator()
         # With an auth key every value carries a tag only key holders can make: the
         # tier's own check is then authoritative for every writer's blocks.
-        self.verifies_reads = self.config.authenticator is not None
+        self.verifies_reads = self._authenticator is not None
         # The runtime hands over at most this many blocks at once, in batch calls of
         # up to this many keys: one batch call is one pipeline, so it must be large
         # for a job to be one round trip. Connections are bounded separately.
@@ -121,7 +122,7 @@ class RedisTier(AsyncTier):
             self.config.namespace,
             context.layout_fingerprint,
             context.block_bytes,
-            self.config.authenticator,
+            self._authenticator,
         )
         self._rejections = RejectionLog(logger, f"redis tier {context.name!r}")
         self._connections = asyncio.Semaphore(self.config.max_connections)
