@@ -5,6 +5,9 @@ Starts its own redis-server (no persistence) on a free loopback port. For
 
 * through the tier: ``RedisTier.write_many`` / ``read_many`` (header, xxh3
   checksum, verification, copy of each value into its destination row);
+* through the tier with an auth key (``auth_key_env``): the same, with an
+  HMAC-SHA256 tag computed per stored block and checked per loaded block
+  instead of the xxh3 checksum (the cost of authenticated blocks);
 * raw: the same redis-py asyncio client settings, one pipeline per job of
   ``SET key <row>`` (the row's memoryview, no header) / ``GET key`` (the
   returned bytes are not copied anywhere), queued with ``execute_command``
@@ -15,19 +18,33 @@ another, alternating tier and raw each repetition. Figures are medians of
 ``--reps`` repetitions, plus the ratio of the fastest repetitions (less
 sensitive to other processes on a shared machine); compare the ratios
 (target: tier >= 80 % of raw). ``CPU s/GB`` is this process's CPU time per GB
-moved (the server's is not included).
+moved (the server's is not included); ``tier CPU us/blk`` the same per block
+(all of it on the loop thread here), and ``over raw`` the part the tier adds
+to redis-py's own work.
 
-Run: ``.venv/bin/python benchmarks/redis_tier.py [--total-mib 128] [--reps 5]``.
+A second table shows what the scheduler thread feels: a pure-Python
+scheduler-like batch (the one of ``benchmarks/facade.py``) runs on the main
+thread alone, then while a Redis tier stores and loads flat out on its own
+event-loop thread, for payload copies with the GIL held (memoryview slice
+assignment: before) and released (numpy, the tier's path for blocks of at
+least ``GIL_FREE_COPY_BYTES``: after). It reports the batch's p50 and p99
+slowdown against the alone runs around it, and the tier's GB/s meanwhile.
+
+Run: ``.venv/bin/python benchmarks/redis_tier.py [--total-mib 128] [--reps 5]
+[--scheduler-s 6]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import os
+import secrets
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -41,11 +58,14 @@ from tests.support.redis_server import RedisServer
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.tier import TierContext
 from tiers.redis import RedisTier
+from tiers.redis import layout as redis_layout
 from tiers.redis.connection import build_client
 
 KIB = 1024
 MIB = 1024 * KIB
 BLOCK_SIZES = (64 * KIB, 1 * MIB)
+#: The variable the authenticated tier reads its key from (a fresh key per run).
+AUTH_ENV = "KVT_BENCH_REDIS_AUTH_KEY"
 
 
 @dataclass
@@ -79,8 +99,17 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
     raw_names = [b"raw:" + k.hex().encode() for k in keys]
     jobs = [(lo, min(lo + per_job, blocks_total)) for lo in range(0, blocks_total, per_job)]
 
+    context = TierContext(block_bytes=block, layout_fingerprint="bench", name="bench")
     tier = RedisTier(url=url, namespace="bench", max_blocks_in_flight=per_job, op_timeout_s=30)
-    await tier.open(TierContext(block_bytes=block, layout_fingerprint="bench", name="bench"))
+    await tier.open(context)
+    auth_tier = RedisTier(
+        url=url,
+        namespace="bench",
+        max_blocks_in_flight=per_job,
+        op_timeout_s=30,
+        auth_key_env=AUTH_ENV,
+    )
+    await auth_tier.open(context)
     # The raw loop uses a client built with the tier's own settings, so the ratio
     # measures the tier's work (header, checksum, verification, copies), not tuning.
     raw = build_client(tier.config)
@@ -93,6 +122,14 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
     async def tier_load() -> None:
         for lo, hi in jobs:
             await tier.read_many(keys[lo:hi], dest_rows[: hi - lo])
+
+    async def auth_store() -> None:
+        for lo, hi in jobs:
+            await auth_tier.write_many(keys[lo:hi], rows[: hi - lo])
+
+    async def auth_load() -> None:
+        for lo, hi in jobs:
+            await auth_tier.read_many(keys[lo:hi], dest_rows[: hi - lo])
 
     async def raw_store() -> None:
         for lo, hi in jobs:
@@ -109,32 +146,153 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
             await pipe.execute()
 
     measures = {
-        name: Measure([], []) for name in ("tier_store", "raw_store", "tier_load", "raw_load")
+        f"{side}_{op}": Measure([], [])
+        for side in ("tier", "auth", "raw")
+        for op in ("store", "load")
     }
     try:
         await tier_store()  # warm-up: connections, allocator, server memory
+        await auth_store()
         await raw_store()
         for _ in range(reps):
             await timed(raw_store, measures["raw_store"])
             await timed(tier_store, measures["tier_store"])
+            await timed(auth_store, measures["auth_store"])
             await timed(raw_load, measures["raw_load"])
             await timed(tier_load, measures["tier_load"])
-        await tier.read_many(keys[: jobs[0][1]], dest_rows[: jobs[0][1]])
-        assert bytes(dest[: block * (jobs[0][1])]) == bytes(source[: block * jobs[0][1]])
+            await timed(auth_load, measures["auth_load"])
+        first = jobs[0][1]
+        for check in (tier, auth_tier):
+            dest[:] = bytes(len(dest))
+            await check.read_many(keys[:first], dest_rows[:first])
+            assert bytes(dest[: block * first]) == bytes(source[: block * first])
     finally:
         await tier.aclose()
+        await auth_tier.aclose()
         await raw.aclose()
 
     moved = blocks_total * block
     lines = []
     for op in ("store", "load"):
         t_gbs, t_runs, t_best, t_cpu = measures[f"tier_{op}"].rate(moved)
+        a_gbs, _, _, a_cpu = measures[f"auth_{op}"].rate(moved)
         r_gbs, r_runs, r_best, r_cpu = measures[f"raw_{op}"].rate(moved)
         lines.append(
             f"| {block // KIB:>5} KiB | {op:5} | {t_gbs:6.2f} | {t_runs * blocks_total:8.0f} | "
             f"{r_gbs:6.2f} | {r_runs * blocks_total:8.0f} | {t_gbs / r_gbs:6.0%} | "
-            f"{t_best / r_best:6.0%} | {t_cpu:5.2f} | {r_cpu:5.2f} |"
+            f"{t_best / r_best:6.0%} | {t_cpu:5.2f} | {r_cpu:5.2f} | "
+            f"{a_gbs:6.2f} | {a_gbs / t_gbs:6.0%} | {a_cpu:5.2f} | "
+            f"{t_cpu * block / 1e3:7.1f} | {(t_cpu - r_cpu) * block / 1e3:7.1f} |"
         )
+    return lines
+
+
+def python_work(rounds: int = 2000) -> int:
+    """A pure-Python scheduler-like batch: dict updates and a heap (as in benchmarks/facade.py)."""
+    d: dict[int, int] = {}
+    h: list[tuple[int, int]] = []
+    acc = 0
+    for i in range(rounds):
+        d[i & 255] = d.get(i & 255, 0) + i
+        heapq.heappush(h, (i * 7919 % 1009, i))
+        if len(h) > 64:
+            acc += heapq.heappop(h)[1]
+    return acc
+
+
+def scheduler_batches(duration: float) -> list[float]:
+    times = []
+    end = time.perf_counter() + duration
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        python_work()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+class TierFlatOut:
+    """A Redis tier storing and loading jobs back to back on its own event-loop thread."""
+
+    def __init__(self, url: str, block: int, job_bytes: int) -> None:
+        self.block = block
+        self.per_job = max(1, job_bytes // block)
+        self.moved = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._url = url
+        self._thread = threading.Thread(target=self._main, name="redis-tier-loop", daemon=True)
+
+    def __enter__(self) -> TierFlatOut:
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("the tier thread did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._run())
+        except BaseException as exc:  # reported to the main thread
+            self._error = exc
+            self._ready.set()
+
+    async def _run(self) -> None:
+        block, per_job = self.block, self.per_job
+        source = bytearray(os.urandom(block * per_job))
+        rows = [memoryview(source)[i * block : (i + 1) * block] for i in range(per_job)]
+        dest = bytearray(block * per_job)
+        dest_rows = [memoryview(dest)[i * block : (i + 1) * block] for i in range(per_job)]
+        keys = [make_offload_key(os.urandom(16), 0) for _ in range(per_job)]
+        tier = RedisTier(
+            url=self._url, namespace="bench-gil", max_blocks_in_flight=per_job, op_timeout_s=30
+        )
+        await tier.open(TierContext(block_bytes=block, layout_fingerprint="gil", name="gil"))
+        try:
+            await tier.write_many(keys, rows)
+            self._ready.set()
+            while not self._stop.is_set():
+                await tier.write_many(keys, rows)
+                await tier.read_many(keys, dest_rows)
+                self.moved += 2 * per_job * block
+            assert dest == source
+        finally:
+            await tier.aclose()
+
+
+def bench_scheduler(url: str, block: int, job_bytes: int, seconds: float) -> list[str]:
+    """Scheduler batch p50/p99 alone and while the tier works, GIL held vs released copies."""
+    lines = []
+    saved = redis_layout.GIL_FREE_COPY_BYTES
+    try:
+        for label, threshold in (("GIL held (before)", 1 << 62), ("GIL released", saved)):
+            redis_layout.GIL_FREE_COPY_BYTES = threshold
+            before = scheduler_batches(seconds / 4)
+            with TierFlatOut(url, block, job_bytes) as load:
+                t0 = time.perf_counter()
+                busy = scheduler_batches(seconds / 2)
+                rate = load.moved / (time.perf_counter() - t0) / 1e9
+            after = scheduler_batches(seconds / 4)
+            alone = sorted(before + after)
+            busy.sort()
+
+            def pct(samples: list[float], q: float) -> float:
+                return samples[min(len(samples) - 1, int(q * len(samples)))]
+
+            lines.append(
+                f"| {block // KIB:>5} KiB | {label:17} | {pct(alone, 0.5) * 1e6:7.0f} | "
+                f"{pct(alone, 0.99) * 1e6:7.0f} | {pct(busy, 0.5) / pct(alone, 0.5):5.2f}x | "
+                f"{pct(busy, 0.99) / pct(alone, 0.99):5.2f}x | {rate:5.2f} |"
+            )
+    finally:
+        redis_layout.GIL_FREE_COPY_BYTES = saved
     return lines
 
 
@@ -148,9 +306,10 @@ async def main_async(args: argparse.Namespace) -> None:
             )
             print(
                 "| block     | op    | tier GB/s | tier blk/s | raw GB/s | raw blk/s | "
-                "tier/raw | tier/raw (best) | tier CPU s/GB | raw CPU s/GB |"
+                "tier/raw | tier/raw (best) | tier CPU s/GB | raw CPU s/GB | "
+                "auth GB/s | auth/tier | auth CPU s/GB | tier CPU us/blk | over raw us/blk |"
             )
-            print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for block in BLOCK_SIZES:
                 for line in await bench_size(
                     server.url, block, args.total_mib * MIB, args.job_mib * MIB, args.reps
@@ -158,6 +317,24 @@ async def main_async(args: argparse.Namespace) -> None:
                     print(line)
                 with server.client() as flush:
                     flush.flushall()
+            if args.scheduler_s > 0:
+                print(
+                    f"\nScheduler batch while the tier stores and loads flat out "
+                    f"(jobs of {args.job_mib} MiB; payload copies >= "
+                    f"{redis_layout.GIL_FREE_COPY_BYTES // KIB} KiB release the GIL)\n"
+                )
+                print(
+                    "| block     | copies            | alone p50 us | alone p99 us | "
+                    "p50 slowdown | p99 slowdown | tier GB/s meanwhile |"
+                )
+                print("|---|---|---:|---:|---:|---:|---:|")
+                for block in (*BLOCK_SIZES, 4 * MIB):
+                    for line in await asyncio.to_thread(
+                        bench_scheduler, server.url, block, args.job_mib * MIB, args.scheduler_s
+                    ):
+                        print(line)
+                    with server.client() as flush:
+                        flush.flushall()
         finally:
             server.stop()
 
@@ -167,7 +344,15 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=128, help="data per measurement")
     parser.add_argument("--job-mib", type=int, default=4, help="bytes per job (one pipeline)")
     parser.add_argument("--reps", type=int, default=5)
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument(
+        "--scheduler-s",
+        type=float,
+        default=6.0,
+        help="seconds per scheduler-slowdown measurement (0: skip that table)",
+    )
+    args = parser.parse_args()
+    os.environ[AUTH_ENV] = secrets.token_urlsafe(32)
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

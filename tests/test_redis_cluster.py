@@ -136,3 +136,23 @@ async def test_cluster_node_restart_fails_its_keys_cleanly_then_recovers(tmp_pat
                 assert out == blocks
     finally:
         cluster.stop()
+
+
+async def test_cluster_delete_after_a_load_spares_a_rewrite(
+    redis_cluster: RedisClusterServers,
+) -> None:
+    async with (
+        opened_tier(redis_cluster.url, cluster=True, namespace="cas") as tier,
+        opened_tier(redis_cluster.url, cluster=True, namespace="cas") as other,
+    ):
+        keys, blocks, newer = new_keys(6), new_blocks(6), new_blocks(6)
+        await tier.write_many(keys, views(blocks))
+        out = new_blocks(6)
+        await tier.read_many(keys, views(out))
+        assert out == blocks
+        await other.write_many(keys[:3], views(newer[:3]))
+        for key in keys:
+            await tier.delete(key)
+        assert await other.contains_many(keys) == [True] * 3 + [False] * 3
+        for key, block in zip(keys[:3], newer[:3], strict=True):
+            assert await read_back(other, key) == block

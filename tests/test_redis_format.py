@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tiering.auth import BlockAuthenticator
 from tiering.errors import ConfigError, CorruptBlock
 from tiering.keys import make_offload_key
 from tiers.redis import HEADER_LEN, BlockLayout, RedisTier, RedisTierConfig
+from tiers.redis import layout as layout_module
+from tiers.redis.errors import RejectedValue
 from tiers.redis.gate import ReconnectGate
-from tiers.redis.layout import MAGIC, ValueBuffers
+from tiers.redis.layout import AUTH_HEADER_LEN, MAGIC, ValueBuffers
 
 BLOCK = 256
 KEY = make_offload_key(b"\x01" * 32, 3)
@@ -288,3 +293,102 @@ def test_a_reply_parsed_after_its_load_ended_writes_nothing() -> None:
     assert into == bytearray(BLOCK)
     live = _Load(KEY, memoryview(into), [True])  # while the call is live, it is copied in
     assert tier._load_reply(value, kvt_load=live) is _LOADED and bytes(into) == payload()
+
+
+# -- authenticated values (format 2) -----------------------------------------------------------
+
+AUTH = BlockAuthenticator(b"format-test-key-" * 2, "test")
+
+
+def auth_layout(fingerprint: str = "fp", authenticator: BlockAuthenticator = AUTH) -> BlockLayout:
+    return BlockLayout("ns", fingerprint, BLOCK, authenticator)
+
+
+def test_authenticated_round_trip() -> None:
+    value = auth_layout().encode(KEY, memoryview(payload()))
+    assert len(value) == AUTH_HEADER_LEN + BLOCK and value[AUTH_HEADER_LEN:] == payload()
+    into = bytearray(BLOCK)
+    auth_layout().decode_into(KEY, value, memoryview(into))
+    assert into == payload()
+
+
+@given(position=st.integers(0, AUTH_HEADER_LEN + BLOCK - 1), flip=st.integers(1, 255))
+def test_any_single_byte_change_of_an_authenticated_value_is_rejected(
+    position: int, flip: int
+) -> None:
+    value = bytearray(auth_layout().encode(KEY, memoryview(payload())))
+    value[position] ^= flip
+    into = bytearray(b"\xee" * BLOCK)
+    with pytest.raises(RejectedValue):
+        auth_layout().decode_into(KEY, bytes(value), memoryview(into))
+    assert into == b"\xee" * BLOCK
+
+
+@given(data=st.binary(min_size=BLOCK, max_size=BLOCK), seed=st.integers(0, 250))
+def test_a_forger_without_the_key_cannot_make_a_value_we_accept(data: bytes, seed: int) -> None:
+    forger = auth_layout(authenticator=BlockAuthenticator(bytes([seed]) * 32, "forger"))
+    with pytest.raises(RejectedValue) as caught:
+        auth_layout().decode_into(
+            KEY, forger.encode(KEY, memoryview(data)), memoryview(bytearray(BLOCK))
+        )
+    assert caught.value.kind == "unauthenticated"
+
+
+def test_tags_bind_the_key_and_the_layout() -> None:
+    value = auth_layout().encode(KEY, memoryview(payload()))
+    # Re-labelled for another key (key hash patched): the tag no longer matches.
+    relabelled = value[:16] + struct.pack("<Q", xxhash.xxh3_64_intdigest(OTHER_KEY)) + value[24:]
+    with pytest.raises(RejectedValue, match="authentication tag"):
+        auth_layout().decode_into(OTHER_KEY, relabelled, memoryview(bytearray(BLOCK)))
+    # Replayed into another layout (fingerprint patched): likewise.
+    other = auth_layout(fingerprint="other")
+    moved = value[:8] + struct.pack("<Q", other.fingerprint) + value[16:]
+    with pytest.raises(RejectedValue, match="authentication tag"):
+        other.decode_into(KEY, moved, memoryview(bytearray(BLOCK)))
+
+
+def test_keyed_and_plain_layouts_read_only_their_own_format() -> None:
+    plain_value = layout().encode(KEY, memoryview(payload()))
+    keyed_value = auth_layout().encode(KEY, memoryview(payload()))
+    with pytest.raises(RejectedValue, match="format version 1"):
+        auth_layout().decode_into(KEY, plain_value, memoryview(bytearray(BLOCK)))
+    with pytest.raises(RejectedValue, match="format version 2"):
+        layout().decode_into(KEY, keyed_value, memoryview(bytearray(BLOCK)))
+    other_key = auth_layout(authenticator=BlockAuthenticator(b"k" * 32, "other"))
+    names = {layout().redis_key(KEY), auth_layout().redis_key(KEY), other_key.redis_key(KEY)}
+    assert len(names) == 3, "plain, keyed and other-key blocks live under different names"
+
+
+def test_auth_settings_are_checked_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVT_FORMAT_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="redis tier: auth_key_env names 'KVT_FORMAT_TEST_KEY'"):
+        RedisTierConfig(auth_key_env="KVT_FORMAT_TEST_KEY")
+    monkeypatch.setenv("KVT_FORMAT_TEST_KEY", "a-long-enough-secret-key")
+    config = RedisTierConfig(auth_key_env="KVT_FORMAT_TEST_KEY")
+    assert config.authenticator() is not None
+    assert "a-long-enough-secret-key" not in repr(config) + str(dataclasses.asdict(config))
+    assert RedisTier(auth_key_env="KVT_FORMAT_TEST_KEY").verifies_reads
+    assert not RedisTier().verifies_reads
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["numpy-copies", "memoryview-copies"])
+@pytest.mark.parametrize("authenticated", [False, True], ids=["plain", "auth"])
+def test_both_copy_paths_round_trip_and_reject(
+    monkeypatch: pytest.MonkeyPatch, threshold: int, authenticated: bool
+) -> None:
+    monkeypatch.setattr(layout_module, "GIL_FREE_COPY_BYTES", threshold)
+    big = 512 << 10
+    chosen = BlockLayout("ns", "fp", big, AUTH if authenticated else None)
+    data = bytes(range(256)) * (big // 256)
+    value = bytearray(chosen.value_len)
+    view = chosen.encode_into(KEY, memoryview(data).cast("I"), value)
+    view.release()
+    assert bytes(value[chosen.header_len :]) == data
+    into = bytearray(big)
+    chosen.decode_into(KEY, bytes(value), memoryview(into).cast("Q"))
+    assert into == data
+    value[-1] ^= 1
+    untouched = bytearray(b"\xee" * big)
+    with pytest.raises(RejectedValue):
+        chosen.decode_into(KEY, bytes(value), memoryview(untouched))
+    assert untouched == b"\xee" * big

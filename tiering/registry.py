@@ -45,6 +45,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from tiering.auth import AUTH_OPTION_NAMES, authenticator_from_options
 from tiering.errors import ConfigError
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.facade import check_runtime_options
@@ -270,6 +271,13 @@ def check_tier_config(
         check_runtime_options(**{k: config[k] for k in _MANAGER_OPTIONS if k in config})
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+    if any(name in options for name in AUTH_OPTION_NAMES):
+        # Read the authentication key now: a missing or unsafe key fails the spec's
+        # construction, not the first build (the tier reads it again when built).
+        try:
+            authenticator_from_options(options)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     return tier_class, options, config, where
 
 

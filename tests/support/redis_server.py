@@ -32,7 +32,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 _INSTALL_LOCK = threading.Lock()
-_START_TIMEOUT_S = 15.0
+#: Hang guard for a server or cluster to come up (generous: machines are shared).
+_START_TIMEOUT_S = 30.0
+#: Fresh ports tried when another process took the chosen one before the server bound it.
+_PORT_ATTEMPTS = 5
 CLUSTER_NODES = 3
 
 
@@ -169,6 +172,7 @@ class RedisServer:
         self.tls = tls
         self.workdir = workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self._port_chosen_here = port is None
         self.port = port if port is not None else free_port(with_cluster_bus=cluster_node)
         self.extra_args = list(extra_args)
         self.cluster_node = cluster_node
@@ -202,6 +206,22 @@ class RedisServer:
         )
 
     def start(self) -> RedisServer:
+        """Start the server and wait until it answers.
+
+        A port picked by :func:`free_port` can be taken by another process
+        before the server binds it; the first start then retries on fresh
+        ports (a restart keeps its port: clients hold the url).
+        """
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if not self._port_chosen_here or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                self.port = free_port(with_cluster_bus=self.cluster_node)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> RedisServer:
         if self.tls is None:
             listen = ["--port", str(self.port)]
         else:
@@ -245,9 +265,10 @@ class RedisServer:
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"redis-server on port {self.port} exited with {self.process.returncode}: "
-                    f"{self._log_tail()}"
+                log = self._log_tail()
+                error = _PortTaken if "Address already in use" in log else RuntimeError
+                raise error(
+                    f"redis-server on port {self.port} exited with {self.process.returncode}: {log}"
                 )
             try:
                 with self.client() as probe:
@@ -298,6 +319,10 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _PortTaken(RuntimeError):
+    """The server could not bind its port: another process took it first."""
 
 
 class RedisClusterServers:

@@ -41,11 +41,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
 from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
 from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import OffloadKey
+from tiering.runtime.digests import StoredDigests, block_checksum
 from tiering.runtime.limiter import BlockLimiter
 from tiering.runtime.presence import KnownPresent
 from tiering.runtime.stats import TierCounters
@@ -82,6 +81,8 @@ class _Batch:
     ok: list[OffloadKey] = field(default_factory=list)
     errors: dict[OffloadKey, BaseException] = field(default_factory=dict)
     in_flight: set[OffloadKey] = field(default_factory=set)
+    # Loads whose bytes differ from the checksum this process stored (verify mode).
+    mismatched: list[OffloadKey] = field(default_factory=list)
 
 
 class TierService:
@@ -130,8 +131,9 @@ class TierService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id = 0
         self._claims: dict[OffloadKey, asyncio.Future[None]] = {}
-        # Checksums of the blocks this runtime stored (verify mode), by key.
-        self._digests: dict[OffloadKey, int] = {}
+        # Checksums of the blocks this runtime stored (verify mode): kept through
+        # removals and mismatches, so a key stays verified until stored again.
+        self._digests = StoredDigests(shared_max_known_keys if self.shared else None)
         # Keys the tier reported removed while an operation held them.
         self._removed_during_op: set[OffloadKey] = set()
         self._jobs: dict[int, _Job] = {}
@@ -442,6 +444,8 @@ class TierService:
             started = time.monotonic()
             await self._transfer(job, todo, batch, load=True)
             elapsed = time.monotonic() - started
+            if batch.mismatched:
+                await self._delete_mismatched(batch.mismatched)
         finally:
             self._release(keys, mine)
         loaded = batch.ok
@@ -474,6 +478,30 @@ class TierService:
             transfer_bytes=nbytes,
             transfer_time=elapsed,
         )
+
+    async def _delete_mismatched(self, keys: list[OffloadKey]) -> None:
+        """Delete blocks whose bytes differ from what this process stored (verify mode).
+
+        A value someone else wrote over ours would otherwise be found again by
+        every engine sharing the tier. Runs while the load still holds the keys.
+        Best effort: a tier without ``delete`` keeps the value (this process
+        still never serves it: the checksum stays). Another engine's rewrite
+        landing between the read and the delete is deleted too, unless the
+        tier's ``delete`` spares it (the Redis tier's does): one more miss,
+        never a wrong hit. Cancellation (the job's deadline): stops deleting.
+        """
+        outcomes = await asyncio.gather(
+            *(self.tier.delete(key) for key in keys), return_exceptions=True
+        )
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed and not isinstance(failed[0], NotImplementedError):
+            logger.warning(
+                "tier %s: could not delete %d of %d block(s) that failed verification: %r",
+                self.name,
+                len(failed),
+                len(keys),
+                failed[0],
+            )
 
     def _missing(self, keys: Sequence[OffloadKey], busy: object) -> list[OffloadKey]:
         """Keys a private tier certainly lacks (none for a shared tier: it must be asked)."""
@@ -512,7 +540,8 @@ class TierService:
             if key in self.present:
                 gone.append(key)
                 self.present.discard(key)
-            self._digests.pop(key, None)
+            # The checksum stays: a key that failed verification must not be
+            # served unverified by a later load (another writer's value may remain).
             self.unsettled.discard(key)
             if self.shared:
                 self.absent_at[key] = now
@@ -554,9 +583,7 @@ class TierService:
         if self.verify and not load:
             # Whatever the write's outcome, a block under these keys can only hold
             # these bytes (a failed or cancelled write leaves it absent or complete).
-            digests = self._digests
-            for key, row in zip(keys, rows, strict=True):
-                digests[key] = _checksum(row)
+            self._digests.record(keys, rows)
         if not load:
             batch.in_flight.update(keys)
         ok: list[OffloadKey] | None = None
@@ -629,7 +656,8 @@ class TierService:
         """The keys of ``ok`` whose bytes match their stored checksum; the rest become errors.
 
         Keys with no checksum (found by ``list_keys`` or stored by another
-        process) are trusted to the tier's own checks.
+        process) are trusted to the tier's own checks. Mismatches are also
+        listed in ``batch.mismatched`` (the load deletes them from the tier).
         """
         digests = self._digests
         read_ok = set(ok) if len(ok) != len(keys) else None
@@ -638,10 +666,11 @@ class TierService:
             if read_ok is not None and key not in read_ok:
                 continue
             expected = digests.get(key)
-            if expected is not None and _checksum(row) != expected:
+            if expected is not None and block_checksum(row) != expected:
                 batch.errors[key] = CorruptBlock(
                     key, "the bytes read back differ from those stored (checksum mismatch)"
                 )
+                batch.mismatched.append(key)
             else:
                 good.append(key)
         return good
@@ -687,22 +716,18 @@ class TierService:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(period):
                         await wakeup.wait()
-                self._forget(present.expire())
+                # Aged answers are asked again; checksums stay (see StoredDigests).
+                present.expire()
             wakeup.clear()
             while self._to_resolve:
                 await self._resolve_some()
 
     def _learn_present(self, key: OffloadKey) -> None:
-        """``key`` is readable in the tier (a shared tier may forget older answers for room)."""
-        forgotten = self.present.add(key)
-        if forgotten:
-            self._forget(forgotten)
+        """``key`` is readable in the tier (a shared tier may forget older answers for room).
 
-    def _forget(self, keys: list[OffloadKey]) -> None:
-        """Drop what we knew of a shared tier's ``keys`` (they may still be there)."""
-        digests = self._digests
-        for key in keys:
-            digests.pop(key, None)
+        Forgotten answers are asked again when needed; their checksums stay.
+        """
+        self.present.add(key)
 
     async def _resolve_some(self) -> None:
         batch: list[OffloadKey] = []
@@ -761,7 +786,6 @@ class TierService:
                 self.absent_at.pop(key, None)
             else:
                 self.present.discard(key)
-                self._digests.pop(key, None)
                 if self.shared:
                     self.absent_at.pop(key, None)  # re-insert at the end (pruning order)
                     self.absent_at[key] = now
@@ -801,10 +825,13 @@ class TierService:
         now = time.monotonic()
         removed = [k for k in keys if k in self.present]
         claims = self._claims
-        digests = self._digests
+        # A private tier's removed key can only come back through our own store; a
+        # shared tier's may come back written by anyone, so its checksum stays.
+        digests = None if self.shared else self._digests
         for key in keys:
             self.present.discard(key)
-            digests.pop(key, None)
+            if digests is not None:
+                digests.forget(key)
             if key in claims:  # e.g. evicted by a later write of the same batch
                 self._removed_during_op.add(key)
             if self.shared:
@@ -826,11 +853,6 @@ def _describe_errors(errors: dict[OffloadKey, BaseException], total: int, verb: 
         f"{len(errors)} of {total} blocks not {verb}; first: block {key.hex()}: "
         f"{type(exc).__name__}: {exc}"
     )
-
-
-def _checksum(block: memoryview) -> int:
-    """xxh3-64 of a block (xxhash releases the GIL while hashing large buffers)."""
-    return xxhash.xxh3_64_intdigest(block)
 
 
 def _release_views(views: list[memoryview]) -> list[memoryview]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from tiering.auth import BlockAuthenticator, authenticator_from_options
 from tiering.errors import ConfigError
 from tiers.redis.layout import NAMESPACE_PATTERN
 
@@ -85,6 +86,8 @@ class RedisTierConfig:
     max_reconnect_interval_s: float = 10.0
     ttl_s: float | None = None
     max_pipeline_bytes: int = 64 << 20
+    auth_key_file: str | None = None
+    auth_key_env: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -158,6 +161,19 @@ class RedisTierConfig:
             ttl = _positive_number("ttl_s", self.ttl_s)
             if ttl < 0.001:
                 raise _err("ttl_s", f"must be at least 0.001 (one millisecond), got {ttl}")
+        # Reads the key now: a missing, short or world-readable key fails the config.
+        # The config keeps only where the key is, so dumping it never shows the key.
+        self.authenticator()
+
+    def authenticator(self) -> BlockAuthenticator | None:
+        """The block authenticator ``auth_key_file`` / ``auth_key_env`` ask for (reads the key).
+
+        None without either. Raises :class:`ConfigError` naming the option, never the key.
+        """
+        return authenticator_from_options(
+            {"auth_key_file": self.auth_key_file, "auth_key_env": self.auth_key_env},
+            "redis tier: ",
+        )
 
     @property
     def uses_tls(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiering.errors import TieringError
+from tiering.errors import CorruptBlock, TieringError
 
 
 class RedisTierUnavailable(TieringError, ConnectionError):
@@ -24,3 +24,17 @@ class RedisTierCommandError(TieringError):
     def __init__(self, message: str, *, out_of_memory: bool = False) -> None:
         super().__init__(message)
         self.out_of_memory = out_of_memory
+
+
+class RejectedValue(CorruptBlock):
+    """A stored value failed verification; never served, deleted from the store.
+
+    ``kind`` is the reason class the tier counts (``malformed``, ``foreign``,
+    ``checksum``, ``unauthenticated``, ``wrong_type``).
+    """
+
+    def __init__(self, key: bytes, kind: str, reason: str) -> None:
+        super().__init__(key, reason)
+        self.kind = kind
+        #: SHA-1 (hex) of the rejected value, so only that same value is deleted.
+        self.value_sha1: str | None = None

@@ -1,20 +1,33 @@
-"""Key names and the stored value format of the Redis tier.
+"""Key names and the stored value formats of the Redis tier.
 
 One Redis string per block::
 
-    <namespace>:v1:<layout hash, 16 hex>:{<offload key, hex>}
+    <namespace>:v1:<layout hash, 16 hex>:{<offload key, hex>}              no auth key
+    <namespace>:v2:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   with an auth key
 
-holding a 40-byte header followed by the block's bytes. The header (little
-endian) is::
+holding a header followed by the block's bytes. Format 1 (no auth key), 40
+bytes, little endian::
 
     magic        4s  b"KVTB"
-    version      u8  FORMAT_VERSION
-    flags        u8  0 (reserved)
-    header_len   u16 HEADER_LEN
+    version      u8  1
+    flags        u8  0
+    header_len   u16 40
     fingerprint  u64 the layout hash: xxh3_64 of the layout fingerprint and block size
     key_hash     u64 xxh3_64 of the offload key
     payload_len  u64 number of block bytes that follow
     checksum     u64 xxh3_64 of those bytes
+
+Format 2 (authenticated, 48 bytes) has the same first seven fields (version 2,
+flags ``FLAG_AUTHENTICATED``, header_len 48) and then::
+
+    tag          16s HMAC-SHA256(auth key, offload key, layout fingerprint, payload)[:16]
+
+The tag replaces the checksum: it covers the payload's integrity as well as
+who wrote it (see :mod:`tiering.auth`). The key id is a public digest of the
+auth key (the first 4 bytes of its tag over nothing): engines with different
+keys, or a key rotated, use different key names and never fight over (or
+delete as forged) each other's blocks. A tier with an auth key reads format 2
+only; without one, format 1 only.
 
 The hash tag (``{...}``) covers only the block's identity, so Redis Cluster
 spreads blocks over every node (a tag over the namespace would put a whole
@@ -28,19 +41,39 @@ from __future__ import annotations
 import re
 import struct
 
+import numpy as np
 import xxhash
 
-from tiering.errors import CorruptBlock
+from tiering.auth import TAG_BYTES, BlockAuthenticator
 from tiering.keys import OffloadKey
+from tiers.redis.errors import RejectedValue
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
+AUTH_FORMAT_VERSION = 2
+FLAG_AUTHENTICATED = 0x01
 _HEADER = struct.Struct("<4sBBHQQQQ")
+_AUTH_HEADER = struct.Struct(f"<4sBBHQQQ{TAG_BYTES}s")
+#: The unauthenticated (format 1) header's length.
 HEADER_LEN = _HEADER.size
+AUTH_HEADER_LEN = _AUTH_HEADER.size
+#: Every format starts with these fields.
+_COMMON = struct.Struct("<4sBBHQQQ")
+
+#: Payload copies of at least this many bytes go through numpy, which releases the
+#: GIL while it copies: the scheduler thread keeps running Python during a large
+#: block's copy. Smaller copies (a few microseconds) are cheaper than handing the
+#: GIL over and back, and barely delay anyone.
+GIL_FREE_COPY_BYTES = 256 << 10
 
 #: Namespaces become part of every key: keep them printable, short, and free of
 #: the ``{}`` that Redis Cluster reads as a hash tag.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._/\-]{1,128}")
+
+
+def layout_identity(layout_fingerprint: str, block_bytes: int) -> bytes:
+    """The bytes that name a layout: the user's fingerprint and the block size."""
+    return b"%s\0%d" % (layout_fingerprint.encode(), block_bytes)
 
 
 def layout_hash(layout_fingerprint: str, block_bytes: int) -> int:
@@ -51,25 +84,51 @@ def layout_hash(layout_fingerprint: str, block_bytes: int) -> int:
     empty) fingerprint: neither can find, nor delete as corrupt, the other's
     blocks.
     """
-    return xxhash.xxh3_64_intdigest(b"%s\0%d" % (layout_fingerprint.encode(), block_bytes))
+    return xxhash.xxh3_64_intdigest(layout_identity(layout_fingerprint, block_bytes))
+
+
+def key_id(authenticator: BlockAuthenticator) -> str:
+    """A public 8-hex-digit name of an auth key (reveals nothing usable about it)."""
+    return authenticator.tag(b"", b"kv-tiering redis key id", b"")[:4].hex()
 
 
 class BlockLayout:
     """Names the keys and encodes/verifies the values of one tier instance.
 
-    Bound to a namespace, a layout fingerprint and a block size, so every
-    check is against what this tier instance itself would have written.
+    Bound to a namespace, a layout fingerprint, a block size and (optionally)
+    an auth key, so every check is against what this tier instance itself
+    would have written. With an authenticator, values are format 2 and tags
+    are computed here, on the caller's (the tier's loop) thread.
     """
 
-    def __init__(self, namespace: str, layout_fingerprint: str, block_bytes: int) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        layout_fingerprint: str,
+        block_bytes: int,
+        authenticator: BlockAuthenticator | None = None,
+    ) -> None:
         if not NAMESPACE_PATTERN.fullmatch(namespace):
             raise ValueError(f"invalid namespace {namespace!r}")
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.block_bytes = block_bytes
-        self.value_len = HEADER_LEN + block_bytes
+        self.authenticator = authenticator
+        self.version = FORMAT_VERSION if authenticator is None else AUTH_FORMAT_VERSION
+        self.header_len = HEADER_LEN if authenticator is None else AUTH_HEADER_LEN
+        self.value_len = self.header_len + block_bytes
         self.fingerprint = layout_hash(layout_fingerprint, block_bytes)
-        self.prefix = f"{namespace}:v{FORMAT_VERSION}:{self.fingerprint:016x}:".encode()
+        self._identity = layout_identity(layout_fingerprint, block_bytes)
+        if authenticator is None:
+            self.prefix = f"{namespace}:v{self.version}:{self.fingerprint:016x}:".encode()
+        else:
+            self.prefix = (
+                f"{namespace}:v{self.version}:{self.fingerprint:016x}:{key_id(authenticator)}:"
+            ).encode()
+
+    @property
+    def authenticated(self) -> bool:
+        return self.authenticator is not None
 
     def redis_key(self, key: OffloadKey) -> bytes:
         """The Redis key holding ``key``'s block."""
@@ -81,69 +140,117 @@ class BlockLayout:
         self.encode_into(key, data, value)
         return bytes(value)
 
-    def encode_into(self, key: OffloadKey, data: memoryview, value: bytearray) -> memoryview:
-        """Write header plus ``data`` into ``value`` (``value_len`` bytes); a view of it.
+    def header(self, key: OffloadKey, data: memoryview) -> bytes:
+        """The header of ``data`` stored as ``key``'s block (hashes, or tags, the payload).
 
-        The only copy of the block on the store path: redis-py sends the view
-        as it is.
+        xxhash and OpenSSL's HMAC both release the GIL over a block payload.
         """
         if data.nbytes != self.block_bytes:
             raise ValueError(f"block is {data.nbytes} bytes, this tier stores {self.block_bytes}")
-        if len(value) != self.value_len:
-            raise ValueError(f"value buffer is {len(value)} bytes, need {self.value_len}")
-        _HEADER.pack_into(
-            value,
-            0,
+        if self.authenticator is None:
+            return _HEADER.pack(
+                MAGIC,
+                FORMAT_VERSION,
+                0,
+                HEADER_LEN,
+                self.fingerprint,
+                xxhash.xxh3_64_intdigest(key),
+                self.block_bytes,
+                xxhash.xxh3_64_intdigest(data),
+            )
+        return _AUTH_HEADER.pack(
             MAGIC,
-            FORMAT_VERSION,
-            0,
-            HEADER_LEN,
+            AUTH_FORMAT_VERSION,
+            FLAG_AUTHENTICATED,
+            AUTH_HEADER_LEN,
             self.fingerprint,
             xxhash.xxh3_64_intdigest(key),
             self.block_bytes,
-            xxhash.xxh3_64_intdigest(data),
+            self.authenticator.tag(key, self._identity, data),
         )
+
+    def encode_into(self, key: OffloadKey, data: memoryview, value: bytearray) -> memoryview:
+        """Write header plus ``data`` into ``value`` (``value_len`` bytes); a view of it."""
+        if len(value) != self.value_len:
+            raise ValueError(f"value buffer is {len(value)} bytes, need {self.value_len}")
+        header = self.header(key, data)
         view = memoryview(value)
-        view[HEADER_LEN:] = data if data.format == "B" and data.ndim == 1 else data.cast("B")
+        view[: self.header_len] = header
+        copy_bytes(view[self.header_len :], data)
         return view
 
     def decode_into(self, key: OffloadKey, value: bytes, into: memoryview) -> None:
         """Verify ``value`` as ``key``'s block and copy its bytes into ``into``.
 
-        Raises :class:`CorruptBlock` naming the first check that failed; ``into``
-        is untouched then.
+        Raises :class:`RejectedValue` (a ``CorruptBlock``) naming the first
+        check that failed and its reason class; ``into`` is untouched then.
         """
         if into.nbytes != self.block_bytes:
             raise ValueError(
                 f"destination is {into.nbytes} bytes, this tier stores {self.block_bytes}"
             )
-        if len(value) < HEADER_LEN:
-            raise CorruptBlock(key, f"value of {len(value)} bytes is shorter than the header")
-        magic, version, flags, header_len, fingerprint, key_hash, length, checksum = (
-            _HEADER.unpack_from(value)
+        copy_bytes(into, self.verified_payload(key, value))
+
+    def verified_payload(self, key: OffloadKey, value: bytes) -> memoryview:
+        """The block bytes of ``value`` once every check passed; raises :class:`RejectedValue`."""
+        header_len = self.header_len
+        if len(value) < header_len:
+            raise RejectedValue(
+                key, "malformed", f"value of {len(value)} bytes is shorter than the header"
+            )
+        magic, version, flags, stored_header_len, fingerprint, key_hash, length = (
+            _COMMON.unpack_from(value)
         )
         if magic != MAGIC:
-            raise CorruptBlock(key, f"bad magic {magic!r}")
-        if version != FORMAT_VERSION or header_len != HEADER_LEN:
-            raise CorruptBlock(key, f"unsupported format version {version} (header {header_len})")
-        if flags != 0:
-            raise CorruptBlock(key, f"unknown flags {flags:#x}")
-        if fingerprint != self.fingerprint:
-            raise CorruptBlock(key, "written under another layout fingerprint")
-        if key_hash != xxhash.xxh3_64_intdigest(key):
-            raise CorruptBlock(key, "value belongs to another key")
-        if length != self.block_bytes or len(value) != HEADER_LEN + length:
-            raise CorruptBlock(
+            raise RejectedValue(key, "malformed", f"bad magic {magic!r}")
+        if version != self.version or stored_header_len != header_len:
+            raise RejectedValue(
                 key,
-                f"length mismatch: header says {length}, value holds "
-                f"{len(value) - HEADER_LEN}, blocks are {self.block_bytes}",
+                "malformed",
+                f"unsupported format version {version} (header {stored_header_len}); "
+                f"this tier reads version {self.version}",
             )
-        payload = memoryview(value)[HEADER_LEN:]
-        if xxhash.xxh3_64_intdigest(payload) != checksum:
-            raise CorruptBlock(key, "checksum mismatch")
-        if into.format != "B" or into.ndim != 1:
-            into = into.cast("B")
-        into[:] = payload
+        expected_flags = 0 if self.authenticator is None else FLAG_AUTHENTICATED
+        if flags != expected_flags:
+            raise RejectedValue(key, "malformed", f"unexpected flags {flags:#x}")
+        if fingerprint != self.fingerprint:
+            raise RejectedValue(key, "foreign", "written under another layout fingerprint")
+        if key_hash != xxhash.xxh3_64_intdigest(key):
+            raise RejectedValue(key, "foreign", "value belongs to another key")
+        if length != self.block_bytes or len(value) != header_len + length:
+            raise RejectedValue(
+                key,
+                "malformed",
+                f"length mismatch: header says {length}, value holds "
+                f"{len(value) - header_len}, blocks are {self.block_bytes}",
+            )
+        payload = memoryview(value)[header_len:]
+        if self.authenticator is None:
+            (checksum,) = _CHECKSUM.unpack_from(value, _COMMON.size)
+            if xxhash.xxh3_64_intdigest(payload) != checksum:
+                raise RejectedValue(key, "checksum", "checksum mismatch")
+        else:
+            tag = bytes(memoryview(value)[_COMMON.size : header_len])
+            if not self.authenticator.verify(key, self._identity, payload, tag):
+                raise RejectedValue(
+                    key, "unauthenticated", "authentication tag mismatch (not written with our key)"
+                )
+        return payload
+
+
+_CHECKSUM = struct.Struct("<Q")
+
+
+def copy_bytes(dest: memoryview, source: memoryview) -> None:
+    """Copy ``source`` into ``dest`` (same size, C-contiguous), without the GIL when large."""
+    if dest.format != "B" or dest.ndim != 1:
+        dest = dest.cast("B")
+    if source.format != "B" or source.ndim != 1:
+        source = source.cast("B")
+    if dest.nbytes >= GIL_FREE_COPY_BYTES:
+        np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+    else:
+        dest[:] = source
 
 
 class ValueBuffers:

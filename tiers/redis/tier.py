@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import ssl
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, NamedTuple
 
-from tiering.errors import BlockNotFound, ConfigError, CorruptBlock, PartialBatchError
+from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 from tiers.redis.config import RedisTierConfig
@@ -34,14 +36,20 @@ from tiers.redis.connection import (
     tls_failure,
     translate,
 )
-from tiers.redis.errors import RedisTierCommandError, RedisTierTimeout, RedisTierUnavailable
+from tiers.redis.errors import (
+    RedisTierCommandError,
+    RedisTierTimeout,
+    RedisTierUnavailable,
+    RejectedValue,
+)
 from tiers.redis.gate import ReconnectGate
 from tiers.redis.layout import BlockLayout, ValueBuffers
+from tiers.redis.rejections import RejectionLog
 from tiers.redis.stats import RedisTierStats
 
 logger = logging.getLogger(__name__)
 
-_SETTINGS = frozenset(field.name for field in dataclasses.fields(RedisTierConfig))
+_SETTINGS = frozenset(field.name for field in dataclasses.fields(RedisTierConfig) if field.init)
 
 #: What one pipeline command produced: a reply, or the error for that command.
 Reply = Any
@@ -58,10 +66,11 @@ class RedisTier(AsyncTier):
     """
 
     shared = True
-    # Every value's header carries the key hash, length and an xxh3 checksum, checked
-    # on each read; a runtime checksum would also reject a block another engine
-    # rewrote with its own (valid) bytes.
-    verifies_reads = True
+    # Set per instance: True only with an auth key. A checksum stored inside the
+    # value proves the bytes intact, not who wrote them (anyone with write access
+    # to the server can write a valid one), so without a key the runtime keeps
+    # its own checksum of every block this process stored and verifies loads.
+    verifies_reads = False
 
     def __init__(self, **settings: Any) -> None:
         unknown = sorted(set(settings) - _SETTINGS)
@@ -71,6 +80,10 @@ class RedisTier(AsyncTier):
                 f"accepted: {', '.join(sorted(_SETTINGS))}"
             )
         self.config = RedisTierConfig(**settings)
+        self._authenticator = self.config.authenticator()
+        # With an auth key every value carries a tag only key holders can make: the
+        # tier's own check is then authoritative for every writer's blocks.
+        self.verifies_reads = self._authenticator is not None
         # The runtime hands over at most this many blocks at once, in batch calls of
         # up to this many keys: one batch call is one pipeline, so it must be large
         # for a job to be one round trip. Connections are bounded separately.
@@ -86,6 +99,12 @@ class RedisTier(AsyncTier):
         self._layout: BlockLayout | None = None
         self._connections: asyncio.Semaphore | None = None
         self._buffers: ValueBuffers | None = None
+        self._rejections: RejectionLog | None = None
+        # Headers of the values the last loads served, by key: a delete right after a
+        # load (the runtime's, of a block that failed its checksum) removes only that
+        # value, never a block another engine wrote since. Bounded; loop-owned.
+        self._served_headers: OrderedDict[OffloadKey, bytes] = OrderedDict()
+        self._max_served_headers = 2 * self.config.max_blocks_in_flight
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -100,8 +119,12 @@ class RedisTier(AsyncTier):
         """
         await super().open(context)
         self._layout = BlockLayout(
-            self.config.namespace, context.layout_fingerprint, context.block_bytes
+            self.config.namespace,
+            context.layout_fingerprint,
+            context.block_bytes,
+            self._authenticator,
         )
+        self._rejections = RejectionLog(logger, f"redis tier {context.name!r}")
         self._connections = asyncio.Semaphore(self.config.max_connections)
         # Enough reusable value buffers for one full pipeline.
         self._buffers = ValueBuffers(
@@ -225,10 +248,13 @@ class RedisTier(AsyncTier):
     async def read_many(self, keys: Sequence[OffloadKey], into: Sequence[memoryview]) -> None:
         """Load blocks with ``GET`` (``GETEX`` refreshing the TTL when one is set).
 
-        Each value is verified (header, fingerprint, key, length, checksum)
-        before its bytes are copied into the destination row: a vanished key
-        raises :class:`BlockNotFound`, a bad value :class:`CorruptBlock` (and is
-        deleted, so it stops costing misses). Failures are collected into one
+        Each value is verified (header, fingerprint, key, length, and the
+        checksum or, with an auth key, the tag) before its bytes are copied
+        into the destination row: a vanished key raises :class:`BlockNotFound`,
+        a bad value :class:`~tiers.redis.errors.RejectedValue` (a
+        ``CorruptBlock``), counted by reason, logged (rate limited) and deleted
+        if the server still holds that same value, so no engine finds it
+        again. Failures are collected into one
         :class:`PartialBatchError`. Cancellation: the connection is dropped;
         destination rows may be partly written.
         """
@@ -239,7 +265,7 @@ class RedisTier(AsyncTier):
         errors: dict[bytes, BaseException] = {}
         succeeded: list[bytes] = []
         gone: list[OffloadKey] = []
-        corrupt: list[OffloadKey] = []
+        corrupt: list[RejectedValue] = []
         for lo, hi in self._chunks(len(keys)):
             chunk = keys[lo:hi]
             # Cleared once this chunk's round trip ends: a reply parsed later (a node's
@@ -265,18 +291,22 @@ class RedisTier(AsyncTier):
                 continue
             finally:
                 live[0] = False
+                served = self._served_headers
+                while len(served) > self._max_served_headers:
+                    served.popitem(last=False)
             for key, reply in zip(chunk, replies, strict=True):
                 if reply is _LOADED:
                     succeeded.append(key)
                 elif isinstance(reply, BlockNotFound):
                     gone.append(key)
                     errors[key] = reply
-                elif isinstance(reply, CorruptBlock):
-                    corrupt.append(key)
+                elif isinstance(reply, RejectedValue):
+                    corrupt.append(reply)
                     errors[key] = reply
                 elif isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
-                    corrupt.append(key)
-                    errors[key] = CorruptBlock(key, "the key holds a non-string value")
+                    rejected = RejectedValue(key, "wrong_type", "the key holds a non-string value")
+                    corrupt.append(rejected)
+                    errors[key] = rejected
                 elif isinstance(reply, BaseException):
                     errors[key] = self._translate(reply, "GET", key)
                 else:
@@ -285,11 +315,12 @@ class RedisTier(AsyncTier):
         self.stats.bytes_read += len(succeeded) * layout.block_bytes
         self.stats.read_failures += len(errors)
         self.stats.vanished_blocks += len(gone)
-        self.stats.corrupt_blocks += len(corrupt)
-        if gone or corrupt:
-            self.report_removed(gone + corrupt)
         if corrupt:
-            await self._drop_corrupt(corrupt)
+            self._count_rejected(corrupt)
+        if gone or corrupt:
+            self.report_removed(gone + [OffloadKey(r.key) for r in corrupt])
+        if corrupt:
+            await self._drop_rejected(corrupt)
         if errors:
             raise PartialBatchError(succeeded, errors)
 
@@ -310,8 +341,12 @@ class RedisTier(AsyncTier):
         errors: dict[bytes, BaseException] = {}
         succeeded: list[bytes] = []
         buffers = self._require_buffers()
+        served = self._served_headers
         for lo, hi in self._chunks(len(keys)):
             chunk = keys[lo:hi]
+            if served:  # a later delete of these keys is of the value written now
+                for key in chunk:
+                    served.pop(key, None)
             taken = [buffers.take() for _ in chunk]
             commands = [
                 (layout.redis_key(k), layout.encode_into(k, d, value))
@@ -355,11 +390,21 @@ class RedisTier(AsyncTier):
     async def delete(self, key: OffloadKey) -> None:
         """Remove ``key``'s block (no error if absent).
 
-        Cancellation: the block is either still present and intact, or gone.
+        When a recent load of this tier served ``key``, only the value it served
+        is removed (compared by header on the server): what the caller saw, not
+        a block another engine wrote since. Cancellation: the block is either
+        still present and intact, or gone.
         """
         layout = self._require_layout()
         name = layout.redis_key(key)
-        (reply,) = await self._round_trip("DEL", lambda pipe: pipe.delete(name))
+        header = self._served_headers.pop(key, None)
+        if header is None:
+            (reply,) = await self._round_trip("DEL", lambda pipe: pipe.delete(name))
+        else:
+            (reply,) = await self._round_trip(
+                "DEL",
+                lambda pipe: pipe.execute_command("EVAL", _DELETE_IF_HEADER, 1, name, header),
+            )
         if isinstance(reply, BaseException):
             raise self._translate(reply, "DEL", key)
 
@@ -463,7 +508,7 @@ class RedisTier(AsyncTier):
         replies: list[Reply] = [None] * len(commands.queue)
         for index, (args, _) in enumerate(commands.queue):
             try:
-                node = client.get_node_from_key(args[1])
+                node = client.get_node_from_key(_key_of(args))
             except Exception as exc:  # a slot no node covers (CLUSTERDOWN)
                 replies[index] = exc
                 continue
@@ -531,35 +576,91 @@ class RedisTier(AsyncTier):
             return RuntimeError("the load this reply belongs to has ended")
         if response is None:
             return BlockNotFound(load.key)
+        layout = self._require_layout()
         try:
-            self._require_layout().decode_into(load.key, response, load.into)
+            layout.decode_into(load.key, response, load.into)
+        except RejectedValue as exc:
+            # Identifies this exact value, so the delete spares a rewrite landing later.
+            exc.value_sha1 = hashlib.sha1(response, usedforsecurity=False).hexdigest()
+            return exc
         except Exception as exc:
             return exc
+        self._served_headers[load.key] = response[: layout.header_len]
         return _LOADED
 
-    async def _drop_corrupt(self, keys: Sequence[OffloadKey]) -> None:
-        """Delete values that failed verification, so they stop costing misses.
+    def _count_rejected(self, rejected: list[RejectedValue]) -> None:
+        stats = self.stats
+        log = self._rejections
+        stats.corrupt_blocks += len(rejected)
+        for value in rejected:
+            counter = f"rejected_{value.kind}"
+            setattr(stats, counter, getattr(stats, counter) + 1)
+            if log is not None:
+                log.note(value)
 
-        Best effort: another engine may rewrite a key between our read and this
-        delete; that costs one later miss, never a wrong hit.
+    async def _drop_rejected(self, rejected: Sequence[RejectedValue]) -> None:
+        """Delete values that failed verification, so no engine finds them again.
+
+        Each is deleted only if the key still holds that same value (compared
+        on the server by a script), so a valid block another engine wrote since
+        our read is kept. Best effort: a failure is logged; the value stays a
+        miss for this tier either way.
         """
         layout = self._require_layout()
-        names = [layout.redis_key(k) for k in keys]
+        commands = [(layout.redis_key(OffloadKey(r.key)), r.value_sha1 or "") for r in rejected]
 
         def fill(pipe: Any) -> None:
-            for name in names:
-                pipe.delete(name)
+            for name, digest in commands:
+                pipe.execute_command("EVAL", _DELETE_IF_SAME, 1, name, digest)
 
         try:
-            await self._round_trip("DEL", fill)
+            replies = await self._round_trip("DEL", fill)
         except Exception as exc:
-            logger.warning(
-                "%s: could not delete %d corrupt block(s): %s", self._where("DEL"), len(keys), exc
-            )
+            self._note_delete_failure(len(rejected), exc)
+            return
+        self.stats.rejected_deleted += sum(1 for reply in replies if reply == 1)
+        failures = [reply for reply in replies if isinstance(reply, BaseException)]
+        if failures:
+            self._note_delete_failure(len(failures), failures[0])
+
+    def _note_delete_failure(self, count: int, error: BaseException) -> None:
+        if self._rejections is not None:
+            self._rejections.note_delete_failure(self._where("DEL"), count, error)
+
+
+#: Deletes KEYS[1] only if its value still starts with the header ARGV[1] (the header
+#: holds the payload's checksum or tag, so it names the value). Returns 1 when deleted.
+_DELETE_IF_HEADER = """
+if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then return 0 end
+if redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[1]) - 1) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+#: Deletes KEYS[1] only if it still holds the value whose SHA-1 is ARGV[1] (an
+#: empty ARGV[1]: only if it still holds a non-string). Returns 1 when deleted.
+_DELETE_IF_SAME = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+if kind ~= 'string' then
+  if ARGV[1] == '' then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+if ARGV[1] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 #: What ``_load_reply`` returns for a block verified and copied into place.
 _LOADED = object()
+
+
+def _key_of(args: tuple[Any, ...]) -> Any:
+    """The key a queued command acts on (``EVAL script numkeys key ...`` names it third)."""
+    return args[3] if args[0] == "EVAL" else args[1]
 
 
 class _Commands:
