@@ -160,7 +160,8 @@ async def test_a_journal_from_another_cache_is_ignored(tmp_path: Path) -> None:
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        # mode=700: the tier refuses a root_dir other users can write to (tmpfs's default is 1777)
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=700", "tmpfs", str(path)],
         capture_output=True,
         check=False,
     )
