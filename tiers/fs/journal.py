@@ -253,6 +253,8 @@ class JournalWriter:
         records appended later go to it. Cancellation: only the wait is
         abandoned; the rotation still happens.
         """
+        if self._closing or self._broken is not None:
+            return False
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._rotation_waiters.append(future)
         self._wakeup.set()

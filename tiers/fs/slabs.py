@@ -174,9 +174,6 @@ class SlabFiles:
         """Indexes of open slabs whose file was unlinked (one fstat each; cheap)."""
         return [i for i, fd in enumerate(self._fds) if is_deleted(fd)]
 
-    def fd_deleted(self, fd: int) -> bool:
-        return is_deleted(fd)
-
     async def recreate(self, slabs: list[int]) -> None:
         """Replace deleted slab files with new, empty ones. Raises OSError if it cannot.
 

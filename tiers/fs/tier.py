@@ -41,8 +41,9 @@ from tiers.fs.config import (
     FsTierConfig,
     check_capacity_fits,
 )
+from tiers.fs.deletion import DeletionWatch, FilesDeletedError
 from tiers.fs.errors import RootInUseError, TierFullError
-from tiers.fs.files import RootDir
+from tiers.fs.files import RootDir, UnsafeFileError
 from tiers.fs.index import Entry, SlotIndex
 from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
 from tiers.fs.io.aligned import BouncePool, address_of
@@ -149,6 +150,7 @@ class _Open:
     pad: bytes
     auth: BlockAuthenticator | None
     fingerprint: bytes
+    watch: DeletionWatch
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     room_waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
@@ -302,13 +304,29 @@ class FileSystemTier(AsyncTier):
             pad=bytes(geometry.slot_bytes - geometry.block_bytes),
             auth=cfg.authenticator,
             fingerprint=self.context.layout_fingerprint.encode(),
+            watch=DeletionWatch(
+                self.context.name,
+                prepared.root,
+                prepared.header,
+                prepared.slabs,
+                journal,
+                index,
+                self.report_removed,
+                on_noticed=self._count_deletion,
+            ),
         )
         state.tasks.append(loop.create_task(journal.run(), name=f"fs-tier-journal-{id(self)}"))
+        state.tasks.append(
+            loop.create_task(state.watch.run(), name=f"fs-tier-deletion-watch-{id(self)}")
+        )
         if cfg.durability == "periodic":
             state.tasks.append(
                 loop.create_task(self._periodic_sync(state), name=f"fs-tier-sync-{id(self)}")
             )
         return state
+
+    def _count_deletion(self) -> None:
+        self.stats.deletions_noticed += 1
 
     def _make_backend(self, loop: asyncio.AbstractEventLoop) -> IoBackend:
         """The I/O backend the config asks for (tests override this to inject faults)."""
@@ -559,6 +577,8 @@ class FileSystemTier(AsyncTier):
         if len(set(keys)) != len(keys):
             raise ValueError("a write batch names the same key twice")
         views = self._block_views(datas, writable=False)
+        if state.watch.refusing is not None:
+            raise FilesDeletedError(state.watch.refusing)
         index, journal = state.index, state.journal
         errors: dict[bytes, BaseException] = {}
         # All or nothing: a batch that fits waits while other writes and reads hold the
@@ -658,6 +678,35 @@ class FileSystemTier(AsyncTier):
         except OSError as exc:
             for block in good:
                 block.error = exc
+            return
+        await self._refuse_ack_into_deleted_files(state, good, {op.fd for op in ops})
+
+    async def _refuse_ack_into_deleted_files(
+        self, state: _Open, blocks: list[_Block], fds: set[int]
+    ) -> None:
+        """Fail (and forget) committed blocks whose slab file was deleted under them.
+
+        A deleted journal is written again first: it held their records.
+        """
+        watch, journal = state.watch, state.journal
+        if journal.file_deleted():
+            await watch.check()
+        why = watch.unsafe_fds(list(fds))
+        if why is None:
+            return
+        await watch.check()  # the slab is repaired (or stores refused) for the next writes
+        seq = journal.next_seq
+        gone = []
+        for block in blocks:
+            entry = state.index.get(block.key)
+            if entry is not None and entry.slot == block.slot:
+                state.index.remove(block.key, seq)
+                gone.append(block.key)
+            block.error = FilesDeletedError(f"block {block.key.hex()} not stored: {why}")
+        if gone:
+            with contextlib.suppress(RuntimeError):
+                journal.append(encode_del(gone, state.seed), retry=True)
+            self._notify_room(state)
 
     async def _back_slots(self, state: _Open, blocks: list[_Block]) -> None:
         """Create slab files for the blocks' slots; on ENOSPC, shrink capacity and fail those."""
@@ -910,6 +959,8 @@ def _checked_header(
     try:
         header = read_header(root)
         reason = None if header is None else header.mismatch(geometry.block_bytes, fingerprint)
+    except UnsafeFileError:
+        raise  # a planted link or odd file is refused, not reset away (ConfigError is a ValueError)
     except ValueError as exc:
         header, reason = None, f"{header_path!r} is damaged ({exc})"
         what = "a cache without a readable header"
