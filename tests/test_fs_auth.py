@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
 
+from tests.runtime_support import fill, load, one_result, primary, store
+from tests.runtime_support import key as rkey
+from tiering.auth import BlockAuthenticator
 from tiering.errors import ConfigError, CorruptBlock
 from tiering.keys import OffloadKey
 from tiering.registry import tier_options
+from tiering.runtime import AsyncTierManager
 from tiers.fs import FileSystemTier
 from tiers.fs.files import RootDir
 from tiers.fs.journal import write_snapshot
@@ -188,3 +194,29 @@ def test_key_options_are_checked_at_construction_and_never_echo_the_key(
         root_dir=tmp_path / "cache", capacity_bytes="1MiB", auth_key_file=str(key_file)
     )
     assert "s" * 32 not in repr(tier.config)
+
+
+def test_tags_are_computed_and_checked_on_the_tier_thread_not_the_scheduler(
+    tmp_path: Path, auth: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[threading.Thread] = []
+    real_tag = BlockAuthenticator.tag
+
+    def tag(self: BlockAuthenticator, *args: Any) -> bytes:
+        threads.append(threading.current_thread())
+        return real_tag(self, *args)
+
+    monkeypatch.setattr(BlockAuthenticator, "tag", tag)
+    rows = primary(8, BLOCK)
+    data = {i: fill(rows, i) for i in range(4)}
+    tier = FileSystemTier(root_dir=tmp_path, capacity_bytes=16 * BLOCK, **auth)  # type: ignore[arg-type]
+    with AsyncTierManager(tier, memoryview(rows.data), "fs", layout_fingerprint="fp") as m:
+        m.submit_store(store(1, [rkey(i) for i in range(4)], list(range(4))))
+        assert one_result(m).success
+        rows[:] = 0
+        m.submit_load(load(2, [rkey(i) for i in range(4)], list(range(4, 8))))
+        assert one_result(m).success
+        for i in range(4):
+            assert rows[4 + i].tobytes() == data[i]
+    assert len(threads) == 8  # four tags on store, four checks on load
+    assert threading.main_thread() not in threads
