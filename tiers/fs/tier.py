@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import functools
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import cast
 
 import xxhash
@@ -42,25 +41,18 @@ from tiers.fs.config import (
     check_capacity_fits,
 )
 from tiers.fs.deletion import DeletionWatch, FilesDeletedError
-from tiers.fs.errors import RootInUseError, TierFullError
-from tiers.fs.files import RootDir, UnsafeFileError
+from tiers.fs.errors import TierFullError
 from tiers.fs.index import Entry, SlotIndex
 from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
 from tiers.fs.io.aligned import BouncePool, address_of
-from tiers.fs.journal import JournalWriter, open_for_append, recover, write_snapshot
+from tiers.fs.journal import JournalWriter
 from tiers.fs.layout import (
     ALIGNMENT,
-    HEADER_NAME,
-    JOURNAL_NAME,
-    LOCK_NAME,
     Geometry,
-    Header,
-    parse_slab_name,
-    read_header,
     round_up,
-    write_header,
 )
-from tiers.fs.records import EntryValue, encode_del, encode_put, encode_put_tagged
+from tiers.fs.opening import Prepared, close_prepared_when_done, prepare_root
+from tiers.fs.records import encode_del, encode_put, encode_put_tagged
 from tiers.fs.slabs import SlabFiles
 
 logger = logging.getLogger(__name__)
@@ -113,33 +105,10 @@ class _Block:
 
 
 @dataclass(slots=True)
-class _Prepared:
-    """What opening the root directory produced (in a worker thread)."""
-
-    root: RootDir
-    lock_fd: int
-    header: Header
-    geometry: Geometry
-    slabs: SlabFiles
-    entries: dict[bytes, EntryValue]
-    journal_fd: int
-    journal_size: int
-    dropped: int
-    notes: list[str]
-
-    def close(self) -> None:
-        self.slabs.close()
-        for fd in (self.journal_fd, self.lock_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.root.close()
-
-
-@dataclass(slots=True)
 class _Open:
     """Everything that exists while the tier is open (owned by its loop thread)."""
 
-    prepared: _Prepared
+    prepared: Prepared
     geometry: Geometry
     slabs: SlabFiles
     index: SlotIndex
@@ -235,12 +204,12 @@ class FileSystemTier(AsyncTier):
                 f"{context.block_bytes} bytes ({geometry.slot_bytes} bytes on disk)"
             )
         job = asyncio.ensure_future(
-            asyncio.to_thread(_prepare_root, cfg, geometry, context.layout_fingerprint)
+            asyncio.to_thread(prepare_root, cfg, geometry, context.layout_fingerprint)
         )
         try:
             prepared = await asyncio.shield(job)
         except asyncio.CancelledError:
-            job.add_done_callback(_close_prepared_when_done)
+            job.add_done_callback(close_prepared_when_done)
             raise
         try:
             self._open_state = self._start(prepared)
@@ -265,7 +234,7 @@ class FileSystemTier(AsyncTier):
             stats.direct_io,
         )
 
-    def _start(self, prepared: _Prepared) -> _Open:
+    def _start(self, prepared: Prepared) -> _Open:
         cfg = self.config
         loop = asyncio.get_running_loop()
         geometry = prepared.geometry
@@ -885,111 +854,3 @@ async def _seal_blocks(
         if budget <= 0:
             budget = _HASH_SLICE_BYTES
             await asyncio.sleep(0)
-
-
-# -- opening the root directory (blocking; runs in a worker thread) ---------------------
-
-
-def _prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> _Prepared:
-    root = RootDir.open(cfg.root_dir)
-    notes: list[str] = []
-    lock_fd = -1
-    slabs: SlabFiles | None = None
-    try:
-        lock_fd = _lock_root(root)
-        header = _checked_header(cfg, root, geometry, fingerprint, notes)
-        geometry = replace(geometry, slots_per_slab=header.slots_per_slab)
-        result, problems = recover(root, header)
-        for problem in problems:
-            notes.append(f"journal: {problem}")
-            logger.warning("fs tier: %s: journal: %s", cfg.root_dir, problem)
-        slabs = SlabFiles(root, geometry, cfg.direct_io, cfg.preallocate)
-        slabs.open_existing()
-        backed = slabs.backed_slots
-        entries = {k: v for k, v in result.entries.items() if v[0] < backed}
-        dropped = len(result.entries) - len(entries)
-        if dropped:
-            notes.append(f"{dropped} blocks beyond the capacity or the slab files were dropped")
-        size = write_snapshot(root, header, [(k, s, c, t) for k, (s, c, t) in entries.items()])
-        journal_fd = open_for_append(root)
-    except BaseException:
-        if slabs is not None:
-            slabs.close()
-        if lock_fd >= 0:
-            os.close(lock_fd)
-        root.close()
-        raise
-    return _Prepared(
-        root, lock_fd, header, geometry, slabs, entries, journal_fd, size, dropped, notes
-    )
-
-
-def _close_prepared_when_done(job: asyncio.Future[_Prepared]) -> None:
-    if not job.cancelled() and job.exception() is None:
-        job.result().close()
-
-
-def _lock_root(root: RootDir) -> int:
-    fd = root.open_file(LOCK_NAME, os.O_RDWR, create=True)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise RootInUseError(
-            f"fs tier: root_dir {str(root.path)!r} is in use by another fs tier (pid {holder}); "
-            "give each engine its own root_dir"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _checked_header(
-    cfg: FsTierConfig, root: RootDir, geometry: Geometry, fingerprint: str, notes: list[str]
-) -> Header:
-    """The root's header if it describes this layout; otherwise reset (or refuse).
-
-    With ``on_layout_mismatch="error"`` a missing or damaged header in front
-    of existing slab or journal files raises ConfigError naming the file:
-    "error" never discards a cache.
-    """
-    header_path = root.describe(HEADER_NAME)
-    what = "a cache for another layout"
-    try:
-        header = read_header(root)
-        reason = None if header is None else header.mismatch(geometry.block_bytes, fingerprint)
-    except UnsafeFileError:
-        raise  # a planted link or odd file is refused, not reset away (ConfigError is a ValueError)
-    except ValueError as exc:
-        header, reason = None, f"{header_path!r} is damaged ({exc})"
-        what = "a cache without a readable header"
-    if header is not None and reason is None:
-        return header
-    leftovers = _owned_files(root)
-    if reason is None and leftovers:
-        reason = f"{header_path!r} is missing but slab or journal files are there"
-        what = "a cache without a readable header"
-    if reason is not None:
-        if cfg.on_layout_mismatch == "error":
-            raise ConfigError(
-                f"fs tier: root_dir {str(root.path)!r} holds {what}: {reason}. "
-                "Use another root_dir, or on_layout_mismatch='reset' to discard it"
-            )
-        notes.append(f"reset: {reason}")
-        logger.warning("fs tier: %s: %s; resetting the cache", root.path, reason)
-    for name in leftovers:  # the header goes first, so an interrupted reset resets again
-        root.unlink(name)
-    header = Header.new(geometry, fingerprint)
-    write_header(root, header)
-    write_snapshot(root, header, [])
-    return header
-
-
-def _owned_files(root: RootDir) -> list[str]:
-    """Names of this tier's files under ``root``, header first (never anything else)."""
-    names = [HEADER_NAME, JOURNAL_NAME, f".{JOURNAL_NAME}.tmp", f".{HEADER_NAME}.tmp"]
-    present = set(root.names())
-    out = [n for n in names if n in present]
-    out += sorted(n for n in present if parse_slab_name(n) is not None)
-    return out
