@@ -152,6 +152,9 @@ class RootDir:
                 os.fsync(fd)
             else:
                 os.fdatasync(fd)
+        except BaseException:
+            self.unlink(tmp)  # a partial temp file would only hold space (a full disk)
+            raise
         finally:
             os.close(fd)
         os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)

@@ -54,8 +54,12 @@ class JournalWriteError(OSError):
     """Writing the journal failed; the records are retried with the next flush."""
 
 
-def recover(root: RootDir, header: Header) -> tuple[ReplayResult, list[str]]:
-    """Replay ``root``'s journal. Returns the result and what was wrong with the file, if anything.
+def recover(root: RootDir, header: Header) -> tuple[ReplayResult, list[str], bool]:
+    """Replay ``root``'s journal.
+
+    Returns the result, what was wrong with the file (if anything) and
+    whether the file has an intact header of this cache (so records may be
+    appended to it as it is).
 
     A damaged record costs only its own entries (replay resynchronises on
     the next valid record); a damaged journal header is reported and the
@@ -65,7 +69,7 @@ def recover(root: RootDir, header: Header) -> tuple[ReplayResult, list[str]]:
     """
     fd = _open_existing(root)
     if fd is None:
-        return ReplayResult({}, 0, 0), []
+        return ReplayResult({}, 0, 0), [], False
     try:
         data = _read_all(fd)
     finally:
@@ -84,7 +88,7 @@ def recover(root: RootDir, header: Header) -> tuple[ReplayResult, list[str]]:
         )
     if result.tail_bytes:
         problems.append(f"dropped a damaged or torn tail of {result.tail_bytes} bytes")
-    return result, problems
+    return result, problems, problem is None
 
 
 def _open_existing(root: RootDir) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -70,7 +71,7 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
         lock_fd = _lock_root(root)
         header = _checked_header(cfg, root, geometry, fingerprint, notes)
         geometry = replace(geometry, slots_per_slab=header.slots_per_slab)
-        result, problems = recover(root, header)
+        result, problems, appendable = recover(root, header)
         for problem in problems:
             notes.append(f"journal: {problem}")
             logger.warning("fs tier: %s: journal: %s", cfg.root_dir, problem)
@@ -81,8 +82,7 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
         dropped = len(result.entries) - len(entries)
         if dropped:
             notes.append(f"{dropped} blocks beyond the capacity or the slab files were dropped")
-        size = write_snapshot(root, header, [(k, s, c, t) for k, (s, c, t) in entries.items()])
-        journal_fd = open_for_append(root)
+        journal_fd, size = _rewrite_journal(root, header, entries, appendable, notes)
     except BaseException:
         if slabs is not None:
             slabs.close()
@@ -93,6 +93,36 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
     return Prepared(
         root, lock_fd, header, geometry, slabs, entries, journal_fd, size, dropped, notes
     )
+
+
+def _rewrite_journal(
+    root: RootDir,
+    header: Header,
+    entries: dict[bytes, EntryValue],
+    appendable: bool,
+    notes: list[str],
+) -> tuple[int, int]:
+    """Compact the journal to ``entries``; returns its descriptor (for appending) and size.
+
+    On a full disk an intact journal is kept as it is and appended to (replay
+    skips a torn tail or damage before new records, and drops entries beyond
+    the slab files again at each open); otherwise a clear OSError.
+    """
+    try:
+        size = write_snapshot(root, header, [(k, s, c, t) for k, (s, c, t) in entries.items()])
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not appendable:
+            raise OSError(
+                exc.errno,
+                f"fs tier: cannot write the journal {root.describe(JOURNAL_NAME)!r}: "
+                f"{exc.strerror or exc}; free space on its filesystem and restart",
+            ) from None
+        fd = open_for_append(root)
+        note = "journal: not compacted at open (no space left); appending to it as it is"
+        notes.append(note)
+        logger.warning("fs tier: %s: %s", root.path, note)
+        return fd, os.fstat(fd).st_size
+    return open_for_append(root), size
 
 
 def close_prepared_when_done(job: asyncio.Future[Prepared]) -> None:
@@ -111,8 +141,9 @@ def _lock_root(root: RootDir) -> int:
             f"fs tier: root_dir {str(root.path)!r} is in use by another fs tier (pid {holder}); "
             "give each engine its own root_dir"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # who holds it is only informative (and a full disk)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
@@ -152,8 +183,15 @@ def _checked_header(
     for name in leftovers:  # the header goes first, so an interrupted reset resets again
         root.unlink(name)
     header = Header.new(geometry, fingerprint)
-    write_header(root, header)
-    write_snapshot(root, header, [])
+    try:
+        write_header(root, header)
+        write_snapshot(root, header, [])
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"fs tier: cannot create a cache under root_dir {str(root.path)!r}: "
+            f"{exc.strerror or exc}; free space on its filesystem and restart",
+        ) from None
     return header
 
 
