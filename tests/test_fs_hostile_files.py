@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,9 +26,23 @@ from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME, LOCK_NAME
 
 from .fs_support import BLOCK, block_data, key, make_tier, opened, read_key, write_keys
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_fd_leak")]
 
 SLAB0 = "slab-000000.bin"
+
+
+@pytest.fixture
+def no_fd_leak() -> Iterator[None]:
+    """Refused opens and repairs close every descriptor they opened."""
+    before = set(os.listdir("/proc/self/fd"))
+    yield
+    leaked = set(os.listdir("/proc/self/fd")) - before
+    targets = {os.readlink(f"/proc/self/fd/{fd}") for fd in leaked if _exists(fd)}
+    assert not {t for t in targets if "cache" in t or "victim" in t}, targets
+
+
+def _exists(fd: str) -> bool:
+    return os.path.lexists(f"/proc/self/fd/{fd}")
 
 
 def _victim(tmp_path: Path) -> tuple[Path, bytes]:
