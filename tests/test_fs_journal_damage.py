@@ -18,6 +18,7 @@ import pytest
 
 from tiering.errors import ConfigError, CorruptBlock
 from tiering.keys import OffloadKey
+from tiers.fs.journal import SNAPSHOT_RECORD_ENTRIES
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 from tiers.fs.records import HEADER_BYTES, iter_records
 
@@ -36,7 +37,7 @@ class _Record:
 
 
 async def _build(root: Path) -> tuple[set[OffloadKey], set[OffloadKey]]:
-    """A journal of: a 32-entry snapshot, 8 PUT batches of 4, one DEL of 2 keys.
+    """A journal of: a 32-entry snapshot (two records), 8 PUT batches of 4, two DELs.
 
     Returns the keys that must be there and the two deleted ones.
     """
@@ -89,8 +90,8 @@ async def built(tmp_path: Path) -> tuple[Path, bytes, set[OffloadKey], list[_Rec
     expected, _ = await _build(root)
     journal = (root / JOURNAL_NAME).read_bytes()
     records = _records(journal)
-    assert len(records) == 1 + 8 + 2  # snapshot, 8 PUT batches, 2 DELs
-    assert len(records[0].keys) == 32
+    assert len(records) == 2 + 8 + 2  # snapshot, 8 PUT batches, 2 DELs
+    assert len(records[0].keys) == len(records[1].keys) == SNAPSHOT_RECORD_ENTRIES == 16
     return root, journal, expected, records
 
 
