@@ -307,3 +307,21 @@ async def test_deletions_during_a_stream_of_stores_lose_only_reported_blocks(
         await tier._state().watch.check()
         assert tier.stats.deletions_noticed >= 1
     await _checked_restart(root, acked, removed.keys)
+
+
+async def test_compactions_are_not_mistaken_for_deletions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compaction renames a new journal over the old one (whose link count drops to 0)."""
+    monkeypatch.setattr("tiers.fs.deletion.CHECK_INTERVAL_S", 0.0005)
+    monkeypatch.setattr("tiers.fs.journal.COMPACT_MIN_BYTES", 1)  # compact after every flush
+    monkeypatch.setattr("tiers.fs.journal.COMPACT_FACTOR", 0)
+    keys = [key(i) for i in range(40)]
+    with caplog.at_level(logging.ERROR):
+        async with opened(tmp_path / "cache", capacity_bytes=64 * BLOCK) as tier:
+            for i in range(0, len(keys), 2):
+                await write_keys(tier, keys[i : i + 2])
+            assert tier._state().journal.compactions >= 10
+            assert tier.stats.deletions_noticed == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    await _checked_restart(tmp_path / "cache", set(keys), set())

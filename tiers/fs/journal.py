@@ -194,6 +194,7 @@ class JournalWriter:
         self._failure: OSError | None = None
         self._broken: BaseException | None = None
         self._rotation_waiters: list[asyncio.Future[bool]] = []
+        self._replacing = False  # a compaction is renaming a new file over ours
         self.compactions = 0
 
     @property
@@ -247,8 +248,11 @@ class JournalWriter:
         await future
 
     def file_deleted(self) -> bool:
-        """Whether the journal file was unlinked under us (records written now would be lost)."""
-        return self._fd >= 0 and is_deleted(self._fd)
+        """Whether the journal file was unlinked under us (records written now would be lost).
+
+        False while a compaction replaces it (the old file is unlinked on purpose).
+        """
+        return self._fd >= 0 and not self._replacing and is_deleted(self._fd)
 
     async def rotate(self) -> bool:
         """Write a fresh journal of the visible entries now (e.g. the file was deleted).
@@ -405,12 +409,15 @@ class JournalWriter:
 
     async def _compact(self) -> bool:
         entries = self._snapshot()
+        self._replacing = True
         try:
             new_fd, size = await asyncio.to_thread(self._write_and_open, entries)
         except OSError as exc:
             self._retry_compaction_at = 2 * self._offset
             logger.error("fs tier: journal compaction failed (will retry later): %s", exc)
             return False
+        finally:
+            self._replacing = False
         self._retry_compaction_at = 0
         old_fd, self._fd, self._offset = self._fd, new_fd, size
         with contextlib.suppress(OSError):
