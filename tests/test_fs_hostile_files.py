@@ -325,3 +325,19 @@ async def test_compactions_are_not_mistaken_for_deletions(
             assert tier.stats.deletions_noticed == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     await _checked_restart(tmp_path / "cache", set(keys), set())
+
+
+async def test_a_symlink_planted_for_a_slab_not_yet_created_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    victim, content = _victim(tmp_path)
+    async with opened(root, slab_bytes=4 * BLOCK, capacity_bytes=8 * BLOCK) as tier:
+        await write_keys(tier, [key(i) for i in range(4)])  # fills slab 0
+        (root / "slab-000001.bin").symlink_to(victim)
+        with pytest.raises(PartialBatchError) as info:
+            await write_keys(tier, [key(10), key(11)])  # would grow into slab 1
+        assert all(isinstance(e, UnsafeFileError) for e in info.value.errors.values())
+        assert "symbolic link" in str(next(iter(info.value.errors.values())))
+        assert tier._state().index.reserved_count() == 0
+        for i in range(4):
+            assert await read_key(tier, key(i)) == block_data(key(i))
+    assert victim.read_bytes() == content

@@ -42,6 +42,7 @@ from tiers.fs.config import (
 )
 from tiers.fs.deletion import DeletionWatch, FilesDeletedError
 from tiers.fs.errors import TierFullError
+from tiers.fs.files import UnsafeFileError
 from tiers.fs.index import Entry, SlotIndex
 from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
 from tiers.fs.io.aligned import BouncePool, address_of
@@ -678,13 +679,17 @@ class FileSystemTier(AsyncTier):
             self._notify_room(state)
 
     async def _back_slots(self, state: _Open, blocks: list[_Block]) -> None:
-        """Create slab files for the blocks' slots; on ENOSPC, shrink capacity and fail those."""
+        """Create slab files for the blocks' slots; on ENOSPC, shrink capacity and fail those.
+
+        A link planted where a slab is to be created is refused the same way
+        (UnsafeFileError; the next open refuses the directory).
+        """
         top = max(b.slot for b in blocks) + 1
         if top <= state.slabs.backed_slots:
             return
         try:
             await state.slabs.ensure(top)
-        except OSError as exc:
+        except (OSError, UnsafeFileError) as exc:
             backed = state.slabs.backed_slots
             if backed < state.index.capacity_slots:
                 logger.warning(
