@@ -359,6 +359,7 @@ def make_manager(
     args: argparse.Namespace,
     direct: bool,
     backend: str,
+    **tier_options: Any,
 ) -> AsyncTierManager:
     tier = FileSystemTier(
         root_dir=root,
@@ -367,6 +368,7 @@ def make_manager(
         direct_io=direct,
         queue_depth=args.queue_depth,
         max_io_bytes=args.max_io_kib * KiB,
+        **tier_options,
     )
     return AsyncTierManager(
         tier,
@@ -498,6 +500,48 @@ def bench_case(
     shutil.rmtree(root, ignore_errors=True)
     raw_file.unlink()
     return out
+
+
+# -- authenticated blocks (auth_key_*) ------------------------------------------------------
+
+MAC_KEY_ENV = "KV_TIERING_BENCH_MAC_KEY"
+
+
+def bench_mac(name: str, block: int, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Store and load GB/s through the facade with and without ``auth_key_env``, alternating.
+
+    The MAC (HMAC-SHA256 over key, fingerprint and payload) is computed on the tier's loop
+    thread: on store while the write is in flight, on load after the read.
+    """
+    total = args.total_mib * MiB
+    primary = Primary(args.job_blocks * args.jobs_in_flight, block)
+    os.environ[MAC_KEY_ENV] = os.urandom(32).hex()
+    samples: dict[str, list[Figure]] = {}
+    for with_mac in (False, True) * args.reps:
+        label = "mac" if with_mac else "plain"
+        root = scratch / f"tier-{name}-{label}"
+        options = {"auth_key_env": MAC_KEY_ENV} if with_mac else {}
+        with make_manager(root, primary, total, block, args, True, "auto", **options) as manager:
+            work = Workload(block, total, args.job_blocks, args.jobs_in_flight, f"{name}-{label}")
+            store = run_jobs(manager, work, load=False, poll_s=args.poll_s)
+            load = run_jobs(manager, work, load=True, poll_s=args.poll_s)
+        samples.setdefault(f"store_{label}", []).append(store)
+        samples.setdefault(f"load_{label}", []).append(load)
+        shutil.rmtree(root, ignore_errors=True)
+    medians = {label: median_figure(figures) for label, figures in samples.items()}
+    return {k: {"gbps": f.gbps, "cpu_s_per_gb": f.cpu_per_gb} for k, f in medians.items()}
+
+
+def report_mac(mac: dict[str, dict[str, Any]], reps: int) -> None:
+    for name, r in mac.items():
+        for phase in ("store", "load"):
+            plain, keyed = r[f"{phase}_plain"], r[f"{phase}_mac"]
+            print(
+                f"MAC {name} {phase:<5}: {plain['gbps']:.2f} GB/s without auth_key_*, "
+                f"{keyed['gbps']:.2f} with ({keyed['gbps'] / (plain['gbps'] or 1):.2f}x); "
+                f"CPU s/GB {plain['cpu_s_per_gb']:.3f} -> {keyed['cpu_s_per_gb']:.3f} "
+                f"(O_DIRECT, median of {reps} alternating runs)"
+            )
 
 
 # -- vLLM's tier -----------------------------------------------------------------------------
@@ -668,6 +712,7 @@ def main() -> None:
     parser.add_argument("--vllm-runs", type=int, default=3, help="vLLM harness runs (median)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: $TMPDIR)")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-mac", action="store_true", help="no auth_key_* comparison")
     parser.add_argument("--quick", action="store_true", help="256 MiB per case, no vLLM")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -687,11 +732,14 @@ def main() -> None:
             for backend in backends
         }
         vllm = run_vllm(args, scratch)
+        cases = [] if args.skip_mac else args.cases
+        mac = {case: bench_mac(case, CASES[case], args, scratch) for case in cases}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report(results, vllm, args, skipped)
+    report_mac(mac, args.reps)
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(results, vllm), indent=1))
+        Path(args.json).write_text(json.dumps({**to_json(results, vllm), "mac": mac}, indent=1))
 
 
 if __name__ == "__main__":

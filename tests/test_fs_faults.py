@@ -8,6 +8,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from tests.fs_support import (
     fill_disk,
     flip_byte,
     key,
+    make_tier,
     opened,
     overwrite,
     read_key,
@@ -160,7 +162,8 @@ async def test_a_journal_from_another_cache_is_ignored(tmp_path: Path) -> None:
 def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        # mode=700: the tier refuses a root_dir other users can write to (tmpfs's default is 1777)
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=700", "tmpfs", str(path)],
         capture_output=True,
         check=False,
     )
@@ -219,3 +222,36 @@ async def test_a_full_disk_fails_writes_until_space_returns(tmp_path: Path) -> N
             assert listed == visible
             for k in listed:
                 assert await read_key(tier, k) == block_data(k)
+
+
+async def test_a_restart_on_a_full_disk_keeps_the_cache(tmp_path: Path) -> None:
+    """The journal cannot be compacted at open: it is appended to as it is, nothing lost."""
+    keys = [key(i) for i in range(8)]
+    with small_tmpfs(tmp_path / "mnt", "2m") as root:
+        config: dict[str, Any] = {"capacity_bytes": 32 * BLOCK, "slab_bytes": 32 * BLOCK}
+        async with opened(root, durability="none", **config) as tier:
+            await write_keys(tier, keys[:4])
+            await write_keys(tier, keys[4:])
+        fill_disk(root / "filler")
+        async with opened(root, **config) as tier:
+            assert set(await tier.list_keys()) == set(keys)
+            assert any("no space" in note for note in tier.stats.notes)
+            for k in keys:
+                assert await read_key(tier, k) == block_data(k)
+        assert not any(p.name.endswith(".tmp") for p in root.iterdir())
+        (root / "filler").unlink()
+        async with opened(root, **config) as tier:
+            assert set(await tier.list_keys()) == set(keys)
+            assert not tier.stats.notes
+            await write_keys(tier, [key(20)])
+        async with opened(root, **config) as tier:
+            assert set(await tier.list_keys()) == {*keys, key(20)}
+
+
+async def test_a_new_cache_on_a_full_disk_is_one_clear_error(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "mnt", "1m") as root:
+        tier = make_tier(root, capacity_bytes=8 * BLOCK)
+        fill_disk(root / "filler")
+        with pytest.raises(OSError, match=r"cannot create a cache under root_dir.*free space"):
+            async with opened(root, tier=tier):
+                pass

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from tiers.fs.layout import ALIGNMENT, Geometry, Header, parse_slab_name, slab_name
 from tiers.fs.records import (
     HEADER_BYTES,
+    SYNC_MARKER,
     decode_header,
     encode_del,
     encode_header,
     encode_put,
+    encode_put_tagged,
     iter_records,
     replay,
 )
@@ -43,7 +45,7 @@ def encode(batches: list[Batch]) -> list[bytes]:
     ]
 
 
-def model(batches: list[Batch]) -> dict[bytes, tuple[int, int]]:
+def model(batches: list[Batch]) -> dict[bytes, tuple[int, int, bytes | None]]:
     """What the index must be: later entries win, a reused slot drops its previous key."""
     state: dict[bytes, tuple[int, int]] = {}
     for kind, entries in batches:
@@ -52,9 +54,9 @@ def model(batches: list[Batch]) -> dict[bytes, tuple[int, int]]:
             state.pop(k, None)
             if kind == "put":
                 _, slot, digest = entry
-                for other in [o for o, (s, _) in state.items() if s == slot]:
+                for other in [o for o, (s, _, _) in state.items() if s == slot]:
                     del state[other]
-                state[k] = (slot, digest)
+                state[k] = (slot, digest, None)
     return state
 
 
@@ -86,7 +88,7 @@ def test_a_torn_tail_replays_exactly_the_complete_records(
 
 
 @given(records_strategy, st.data())
-def test_a_damaged_record_ends_the_replay_there(
+def test_a_damaged_record_costs_only_itself(
     batches: list[Batch],
     data: st.DataObject,
 ) -> None:
@@ -99,8 +101,31 @@ def test_a_damaged_record_ends_the_replay_there(
     blob = bytearray(b"".join(records))
     blob[position] ^= 1 << data.draw(st.integers(0, 7))
     result = replay(bytes(blob), SEED)
-    assert result.records == victim
-    assert result.entries == model(batches[:victim])
+    # Replay resynchronises on the next record: as if the damaged one had never been written.
+    assert result.records == len(records) - 1
+    assert result.entries == model(batches[:victim] + batches[victim + 1 :])
+    assert result.skipped[0][0] == start
+
+
+@given(records_strategy, st.data())
+def test_garbage_between_records_is_skipped(batches: list[Batch], data: st.DataObject) -> None:
+    records = encode(batches)
+    where = data.draw(st.integers(0, len(records)))
+    # Garbage that even contains sync markers and plausible lengths.
+    garbage = data.draw(st.binary(max_size=64)) + SYNC_MARKER + data.draw(st.binary(max_size=16))
+    blob = b"".join(records[:where]) + garbage + b"".join(records[where:])
+    result = replay(blob, SEED)
+    assert result.records == len(records)
+    assert result.entries == model(batches)
+
+
+def test_tagged_put_records_round_trip() -> None:
+    tag = bytes(range(16))
+    blob = encode_put_tagged([(b"k1", 3, 2**100 + 7, tag)], SEED) + encode_del([b"k2"], SEED)
+    result = replay(blob, SEED)
+    assert result.entries == {b"k1": (3, 2**100 + 7, tag)}
+    with pytest.raises(ValueError, match="tag"):
+        encode_put_tagged([(b"k", 0, 0, b"short")], SEED)
 
 
 def test_records_of_another_cache_never_validate() -> None:

@@ -8,7 +8,17 @@ See docs/fs-tier.md for the format, its guarantees and every option.
 """
 
 from tiers.fs.config import FsTierConfig
+from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.errors import RootInUseError, TierFullError
+from tiers.fs.files import UnsafeFileError
 from tiers.fs.tier import FileSystemTier, FsTierStats
 
-__all__ = ["FileSystemTier", "FsTierConfig", "FsTierStats", "RootInUseError", "TierFullError"]
+__all__ = [
+    "FileSystemTier",
+    "FilesDeletedError",
+    "FsTierConfig",
+    "FsTierStats",
+    "RootInUseError",
+    "TierFullError",
+    "UnsafeFileError",
+]

@@ -17,12 +17,15 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from tiering.auth import BlockAuthenticator, authenticator_from_options
 from tiering.errors import ConfigError
 from tiering.policies import POLICY_NAMES
+from tiers.fs.files import check_root_permissions
 from tiers.fs.layout import SLAB_GLOB_PREFIX, existing_slab_bytes
 
 KiB = 1024
@@ -129,33 +132,28 @@ class FsTierConfig:
     on_layout_mismatch: Literal["reset", "error"] = "reset"
     preallocate: bool = True
 
+    #: The MAC of ``auth_key_file`` / ``auth_key_env`` (None: blocks are checksummed only).
+    authenticator: BlockAuthenticator | None = field(default=None, repr=False, compare=False)
+
     @classmethod
-    def from_kwargs(
-        cls,
-        *,
-        root_dir: str | os.PathLike[str],
-        capacity_bytes: int | str | None = None,
-        capacity_blocks: int | None = None,
-        n_read_threads: int = 8,
-        n_write_threads: int = 4,
-        io_backend: str = "auto",
-        direct_io: bool | str | None = "auto",
-        durability: str = "periodic",
-        sync_interval_s: float = 1.0,
-        eviction_policy: str = "lru",
-        slab_bytes: int | str = DEFAULT_SLAB_BYTES,
-        queue_depth: int = 32,
-        max_io_bytes: int | str = DEFAULT_MAX_IO_BYTES,
-        on_layout_mismatch: str = "reset",
-        preallocate: bool = True,
-        create_root_dir: bool = True,
-    ) -> FsTierConfig:
-        """Validate user keywords; creates ``root_dir`` when allowed. Raises ConfigError."""
-        root = _check_root_dir(root_dir, create_root_dir)
-        n_read = _positive_int("n_read_threads", n_read_threads, 256)
-        n_write = _positive_int("n_write_threads", n_write_threads, 256)
-        backend = _choice("io_backend", io_backend, IO_BACKENDS)
-        durable = _choice("durability", durability, DURABILITY_POLICIES)
+    def from_options(cls, options: Mapping[str, Any]) -> FsTierConfig:
+        """Validate the tier's keyword options (every key of ``FileSystemTier.__init__``).
+
+        The tier's constructor is the one place that lists the keys and their
+        defaults; this checks their values, creates ``root_dir`` when allowed
+        and reads the authentication key. Raises ConfigError naming the key.
+        """
+        root_dir = options["root_dir"]
+        capacity_bytes = options["capacity_bytes"]
+        capacity_blocks = options["capacity_blocks"]
+        sync_interval_s = options["sync_interval_s"]
+        eviction_policy = options["eviction_policy"]
+        preallocate = options["preallocate"]
+        root = _check_root_dir(root_dir, options["create_root_dir"])
+        n_read = _positive_int("n_read_threads", options["n_read_threads"], 256)
+        n_write = _positive_int("n_write_threads", options["n_write_threads"], 256)
+        backend = _choice("io_backend", options["io_backend"], IO_BACKENDS)
+        durable = _choice("durability", options["durability"], DURABILITY_POLICIES)
         if (
             isinstance(sync_interval_s, bool)
             or not isinstance(sync_interval_s, (int, float))
@@ -170,14 +168,16 @@ class FsTierConfig:
                 f"fs tier: eviction_policy must be one of {', '.join(POLICY_NAMES)}; "
                 f"got {eviction_policy!r}"
             )
-        slab = parse_size("slab_bytes", slab_bytes)
+        slab = parse_size("slab_bytes", options["slab_bytes"])
         if slab < 4 * KiB:
             raise ConfigError(f"fs tier: slab_bytes must be at least 4KiB, got {slab}")
-        depth = _positive_int("queue_depth", queue_depth, 4096)
-        max_io = parse_size("max_io_bytes", max_io_bytes)
+        depth = _positive_int("queue_depth", options["queue_depth"], 4096)
+        max_io = parse_size("max_io_bytes", options["max_io_bytes"])
         if max_io < 4 * KiB:
             raise ConfigError(f"fs tier: max_io_bytes must be at least 4KiB, got {max_io}")
-        mismatch = _choice("on_layout_mismatch", on_layout_mismatch, LAYOUT_MISMATCH_ACTIONS)
+        mismatch = _choice(
+            "on_layout_mismatch", options["on_layout_mismatch"], LAYOUT_MISMATCH_ACTIONS
+        )
         if not isinstance(preallocate, bool):
             raise ConfigError(f"fs tier: preallocate must be true or false, got {preallocate!r}")
         if capacity_blocks is not None:
@@ -195,7 +195,7 @@ class FsTierConfig:
             n_read_threads=n_read,
             n_write_threads=n_write,
             io_backend=backend,  # type: ignore[arg-type]
-            direct_io=_direct_io(direct_io),
+            direct_io=_direct_io(options["direct_io"]),
             durability=durable,  # type: ignore[arg-type]
             sync_interval_s=float(sync_interval_s),
             eviction_policy=eviction_policy,
@@ -204,6 +204,7 @@ class FsTierConfig:
             max_io_bytes=max_io,
             on_layout_mismatch=mismatch,  # type: ignore[arg-type]
             preallocate=preallocate,
+            authenticator=authenticator_from_options(options, "fs tier: "),
         )
 
 
@@ -215,7 +216,7 @@ def _check_root_dir(root_dir: object, create: bool) -> Path:
         if not create:
             raise ConfigError(f"fs tier: root_dir {str(root)!r} does not exist")
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(
                 f"fs tier: root_dir {str(root)!r} does not exist and cannot be created: "
@@ -223,6 +224,7 @@ def _check_root_dir(root_dir: object, create: bool) -> Path:
             ) from exc
     if not root.is_dir():
         raise ConfigError(f"fs tier: root_dir {str(root)!r} is not a directory")
+    check_root_permissions(root.stat(), root)  # checked again on the open directory
     # os.access is not enough (root bypasses mode bits, read-only mounts): try it.
     try:
         fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)

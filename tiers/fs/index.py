@@ -26,10 +26,15 @@ from tiering.policies import EvictionPolicy
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """Where a visible block lives and the xxh3_128 checksum of its bytes."""
+    """Where a visible block lives, the xxh3_128 checksum of its bytes and its MAC tag.
+
+    ``tag`` is the keyed MAC (:mod:`tiering.auth`) a tier with an ``auth_key_*``
+    stored with the block; None for blocks stored without one.
+    """
 
     slot: int
     checksum: int
+    tag: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -68,20 +73,22 @@ class SlotIndex:
         cls,
         capacity_slots: int,
         policy: EvictionPolicy[OffloadKey],
-        entries: Mapping[bytes, tuple[int, int]],
+        entries: Mapping[bytes, tuple[int, int] | tuple[int, int, bytes | None]],
     ) -> SlotIndex:
-        """An index holding ``entries`` (``key -> (slot, checksum)``, oldest first).
+        """An index holding ``entries`` (``key -> (slot, checksum[, tag])``, oldest first).
 
         Raises ValueError for a slot outside the capacity or claimed twice.
         """
         index = cls(capacity_slots, policy)
-        for raw_key, (slot, checksum) in entries.items():
+        for raw_key, value in entries.items():
+            slot, checksum = value[0], value[1]
+            tag = value[2] if len(value) > 2 else None
             key = OffloadKey(raw_key)
             if not 0 <= slot < capacity_slots:
                 raise ValueError(f"slot {slot} outside capacity {capacity_slots}")
             if slot in index._owner:
                 raise ValueError(f"slot {slot} claimed twice")
-            index._entries[key] = Entry(slot, checksum)
+            index._entries[key] = Entry(slot, checksum, tag)
             index._owner[slot] = key
             policy.insert(key)
         index._next_fresh = max(index._owner, default=-1) + 1
@@ -201,7 +208,9 @@ class SlotIndex:
         for slot in slots:
             self._release_slot(slot, self._reserved.pop(slot))
 
-    def commit(self, key: OffloadKey, slot: int, checksum: int, seq: int) -> Entry | None:
+    def commit(
+        self, key: OffloadKey, slot: int, checksum: int, seq: int, tag: bytes | None = None
+    ) -> Entry | None:
         """Make reserved ``slot`` visible as ``key`` (its journal record ``seq`` is durable).
 
         Returns the entry it replaced, whose slot is freed (after its readers).
@@ -214,15 +223,17 @@ class SlotIndex:
             self._policy.access(key)
         else:
             self._policy.insert(key)
-        entry = Entry(slot, checksum)
+        entry = Entry(slot, checksum, tag)
         self._entries[key] = entry
         self._owner[slot] = key
         return old
 
-    def commit_many(self, items: Iterable[tuple[OffloadKey, int, int]], seq: int) -> None:
-        """:meth:`commit` for ``(key, slot, checksum)`` items of one durable record ``seq``."""
+    def commit_many(
+        self, items: Iterable[tuple[OffloadKey, int, int, bytes | None]], seq: int
+    ) -> None:
+        """:meth:`commit` for ``(key, slot, checksum, tag)`` items of one durable record ``seq``."""
         reserved, entries, owner, policy = self._reserved, self._entries, self._owner, self._policy
-        for key, slot, checksum in items:
+        for key, slot, checksum, tag in items:
             del reserved[slot]
             old = entries.get(key)
             if old is not None:
@@ -231,7 +242,7 @@ class SlotIndex:
                 policy.access(key)
             else:
                 policy.insert(key)
-            entries[key] = Entry(slot, checksum)
+            entries[key] = Entry(slot, checksum, tag)
             owner[slot] = key
 
     def remove(self, key: OffloadKey, seq: int) -> Entry | None:

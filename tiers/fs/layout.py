@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiers.fs.files import RootDir
+
 FORMAT_NAME = "kv-tiering-fs"
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "xxh3_128"
@@ -167,7 +169,10 @@ class Header:
     @classmethod
     def from_json(cls, text: str) -> Header:
         """Parse a header; raises ValueError when it is not one of ours or is damaged."""
-        raw: Any = json.loads(text)
+        try:
+            raw: Any = json.loads(text)
+        except RecursionError:
+            raise ValueError("header nests too deeply to be one of ours") from None
         if not isinstance(raw, dict):
             raise ValueError("header is not a JSON object")
         try:
@@ -188,37 +193,22 @@ class Header:
         return header
 
 
-def read_header(root: Path) -> Header | None:
+#: A header is a few hundred bytes; anything much larger is not one of ours.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+def read_header(root: RootDir) -> Header | None:
     """The header under ``root``; None if there is none. Raises ValueError if damaged."""
-    try:
-        text = (root / HEADER_NAME).read_text(encoding="utf-8")
-    except FileNotFoundError:
+    data = root.read_small(HEADER_NAME, MAX_HEADER_BYTES)
+    if data is None:
         return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"header is not UTF-8 ({exc.reason})") from None
     return Header.from_json(text)
 
 
-def write_atomically(root: Path, name: str, payload: bytes) -> None:
-    """Replace ``root/name`` with ``payload``: temp file, fsync, rename, fsync the directory."""
-    tmp = root / f".{name}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, root / name)
-    fsync_dir(root)
-
-
-def fsync_dir(root: Path) -> None:
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_header(root: Path, header: Header) -> None:
-    write_atomically(root, HEADER_NAME, header.to_json().encode("utf-8"))
+def write_header(root: RootDir, header: Header) -> None:
+    """Atomically replace the header (temp file, fsync, rename, directory fsync). Blocking."""
+    root.replace_atomically(HEADER_NAME, header.to_json().encode("utf-8"), full_sync=True)

@@ -4,39 +4,52 @@ File layout::
 
     header (64 bytes): magic "KVTFSJNL" | version u32 | reserved u32 | cache_id 16B
                        | reserved 24B | xxh3_64(previous 56 bytes) u64
-    record:            body_len u32 | body | xxh3_64(body_len + body, seed) u64
+    record:            sync "KVR2" | body_len u32 | body
+                       | xxh3_64(sync + body_len + body, seed) u64
     PUT body:          0x01 | count u32 | count x (slot u64 | checksum 16B | key_len u16 | key)
                        (the checksum as two u64: low half first)
+    PUT+MAC body:      0x03 | count u32 | count x (slot u64 | checksum 16B | tag 16B
+                                                   | key_len u16 | key)
     DEL body:          0x02 | count u32 | count x (key_len u16 | key)
 
 A record carries a whole batch (one write job's blocks, one eviction), so it
 is applied all or nothing. All integers are little endian; the block
-checksum is the xxh3_128 of the block's bytes. The record checksum is seeded
-with the cache id, so a record from another cache (or a stale one from a
-previous generation of this file) never validates. Replay stops at the first
-record that is short or fails its checksum: a torn tail from a crash is
-dropped, and nothing after a damaged record is trusted.
+checksum is the xxh3_128 of the block's bytes; the tag (tiers with an
+``auth_key_*``) is the keyed MAC of :mod:`tiering.auth`. The record checksum
+is seeded with the cache id, so a record from another cache (or a stale one
+from a previous generation of this file) never validates.
+
+A damaged record costs only the blocks it describes: replay skips it and
+resynchronises on the next sync marker that starts a record whose checksum
+holds (a marker inside a body, or inside damage, is tried and rejected by
+the 64-bit checksum). A torn tail from a crash is dropped the same way.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
 JOURNAL_MAGIC = b"KVTFSJNL"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
+#: Starts every record, so a scan past a damaged record finds the next one.
+SYNC_MARKER = b"KVR2"
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sII16s24s")
 _U64 = struct.Struct("<Q")
 _LEN = struct.Struct("<I")
 _KIND_COUNT = struct.Struct("<BI")
 _PUT_ENTRY = struct.Struct("<QQQH")  # slot, checksum low and high 64 bits, key length
+_PUT_MAC_ENTRY = struct.Struct("<QQQ16sH")  # ... and the 16-byte MAC tag before the key length
+_FRAME = struct.Struct("<4sI")  # sync marker, body length
 _KEY_LEN = struct.Struct("<H")
 PUT_TYPE = 1
 DEL_TYPE = 2
+PUT_MAC_TYPE = 3
+TAG_BYTES = 16
 #: Keys longer than this are refused (a prefix hash plus a group index is ~36 bytes).
 MAX_KEY_BYTES = 4096
 #: A sanity bound on one record (a garbage length field must not look plausible).
@@ -80,6 +93,22 @@ def encode_put(entries: Iterable[tuple[bytes, int, int]], seed: int) -> bytes:
     return _frame(b"".join(parts), seed)
 
 
+def encode_put_tagged(entries: Iterable[tuple[bytes, int, int, bytes]], seed: int) -> bytes:
+    """One PUT record for ``(key, slot, checksum, tag)`` entries (a tier with a MAC key)."""
+    pack = _PUT_MAC_ENTRY.pack
+    low = (1 << 64) - 1
+    parts = [b""]
+    for key, slot, checksum, tag in entries:
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
+        if len(tag) != TAG_BYTES:
+            raise ValueError(f"a tag must be {TAG_BYTES} bytes, got {len(tag)}")
+        parts.append(pack(slot, checksum & low, checksum >> 64, tag, len(key)))
+        parts.append(key)
+    parts[0] = _KIND_COUNT.pack(PUT_MAC_TYPE, (len(parts) - 1) // 2)
+    return _frame(b"".join(parts), seed)
+
+
 def encode_del(keys: Iterable[bytes], seed: int) -> bytes:
     """One DEL record for ``keys``."""
     pack = _KEY_LEN.pack
@@ -94,40 +123,69 @@ def encode_del(keys: Iterable[bytes], seed: int) -> bytes:
 
 
 def _frame(body: bytes, seed: int) -> bytes:
-    prefix = _LEN.pack(len(body))
+    prefix = _FRAME.pack(SYNC_MARKER, len(body))
     return prefix + body + _U64.pack(xxhash.xxh3_64_intdigest(prefix + body, seed))
 
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One decoded record: a PUT (slot and checksum set) or a DEL (slot None)."""
+    """One decoded record entry: a PUT (slot and checksum set, tag with a MAC key) or a DEL.
+
+    A DEL has ``slot`` None.
+    """
 
     key: bytes
     slot: int | None
     checksum: int
+    tag: bytes | None = None
 
 
-def iter_records(data: bytes | memoryview, seed: int) -> Iterator[tuple[list[Record], int]]:
+def _record_at(view: memoryview, pos: int, seed: int) -> tuple[list[Record], int] | None:
+    """The record starting at ``pos`` and where it ends, or None if none valid starts there."""
+    size = len(view)
+    if pos + _FRAME.size > size:
+        return None
+    marker, body_len = _FRAME.unpack_from(view, pos)
+    end = pos + _FRAME.size + body_len + _U64.size
+    if marker != SYNC_MARKER or body_len < _KIND_COUNT.size or body_len > _MAX_BODY or end > size:
+        return None
+    (stored,) = _U64.unpack_from(view, end - _U64.size)
+    if xxhash.xxh3_64_intdigest(view[pos : end - _U64.size], seed) != stored:
+        return None
+    entries = _decode_body(view[pos + _FRAME.size : end - _U64.size])
+    return None if entries is None else (entries, end)
+
+
+def iter_records(
+    data: bytes | memoryview, seed: int, skipped: list[tuple[int, int]] | None = None
+) -> Iterator[tuple[list[Record], int]]:
     """Decode records from ``data`` (the bytes after the header); yields ``(entries, end)``.
 
-    Stops silently at the first short, malformed or mismatching record.
+    A short, malformed or mismatching record is skipped: the scan resumes at
+    the next sync marker that starts a valid record. Each skipped range
+    ``(start, end)`` is appended to ``skipped`` (a torn tail included).
     """
     view = memoryview(data)
+    raw = data if isinstance(data, bytes) else bytes(view)  # for bytes.find
     pos = 0
     size = len(view)
-    while pos + _LEN.size <= size:
-        (body_len,) = _LEN.unpack_from(view, pos)
-        end = pos + _LEN.size + body_len + _U64.size
-        if body_len < _KIND_COUNT.size or body_len > _MAX_BODY or end > size:
-            return
-        (stored,) = _U64.unpack_from(view, end - _U64.size)
-        if xxhash.xxh3_64_intdigest(view[pos : end - _U64.size], seed) != stored:
-            return
-        entries = _decode_body(view[pos + _LEN.size : end - _U64.size])
-        if entries is None:
-            return
-        yield entries, end
-        pos = end
+    while pos < size:
+        found = _record_at(view, pos, seed)
+        if found is not None:
+            entries, end = found
+            yield entries, end
+            pos = end
+            continue
+        resume = pos + 1
+        while True:
+            resume = raw.find(SYNC_MARKER, resume)
+            if resume < 0 or _record_at(view, resume, seed) is not None:
+                break
+            resume += 1
+        stop = size if resume < 0 else resume
+        if skipped is not None:
+            skipped.append((pos, stop))
+        pos = stop
 
 
 def _decode_body(body: memoryview) -> list[Record] | None:
@@ -135,7 +193,14 @@ def _decode_body(body: memoryview) -> list[Record] | None:
     pos = _KIND_COUNT.size
     out: list[Record] = []
     try:
-        if kind == PUT_TYPE:
+        if kind == PUT_MAC_TYPE:
+            for _ in range(count):
+                slot, low, high, tag, key_len = _PUT_MAC_ENTRY.unpack_from(body, pos)
+                pos += _PUT_MAC_ENTRY.size
+                key = bytes(body[pos : pos + key_len])
+                out.append(Record(key, slot, low | high << 64, tag))
+                pos += key_len
+        elif kind == PUT_TYPE:
             for _ in range(count):
                 slot, low, high, key_len = _PUT_ENTRY.unpack_from(body, pos)
                 pos += _PUT_ENTRY.size
@@ -156,30 +221,49 @@ def _decode_body(body: memoryview) -> list[Record] | None:
     return out
 
 
+#: What replay yields per key: ``(slot, checksum, tag)`` (tag None without a MAC key).
+EntryValue = tuple[int, int, bytes | None]
+
+
 @dataclass(slots=True)
 class ReplayResult:
     """The index a journal describes: ``entries`` in recency order (oldest first).
 
-    ``records`` counts the records (batches) applied.
+    ``records`` counts the records (batches) applied; ``skipped`` lists the
+    byte ranges that held no valid record (damage, or a torn tail when the
+    last range reaches the end); ``valid_bytes`` is where the last valid
+    record ends.
     """
 
-    entries: dict[bytes, tuple[int, int]]
+    entries: dict[bytes, EntryValue]
     valid_bytes: int
     records: int
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def damaged_bytes(self) -> int:
+        """Bytes skipped before the last valid record (damage, not a torn tail)."""
+        return sum(end - start for start, end in self.skipped if start < self.valid_bytes)
+
+    @property
+    def tail_bytes(self) -> int:
+        """Bytes after the last valid record (a torn or damaged tail)."""
+        return sum(end - start for start, end in self.skipped if start >= self.valid_bytes)
 
 
 def replay(data: bytes | memoryview, seed: int) -> ReplayResult:
-    """Apply the records of ``data`` (after the header) in order.
+    """Apply the valid records of ``data`` (after the header) in order, skipping damage.
 
     A PUT replaces the key's previous slot and evicts any other key claiming
     the same slot (the later record wins: that slot was reused). A DEL drops
-    the key. ``valid_bytes`` is where the valid prefix ends.
+    the key.
     """
-    entries: dict[bytes, tuple[int, int]] = {}
+    entries: dict[bytes, EntryValue] = {}
     owner: dict[int, bytes] = {}
     valid = 0
     count = 0
-    for records, end in iter_records(data, seed):
+    skipped: list[tuple[int, int]] = []
+    for records, end in iter_records(data, seed, skipped):
         count += 1
         valid = end
         for record in records:
@@ -191,6 +275,6 @@ def replay(data: bytes | memoryview, seed: int) -> ReplayResult:
             other = owner.get(record.slot)
             if other is not None:
                 del entries[other]
-            entries[record.key] = (record.slot, record.checksum)
+            entries[record.key] = (record.slot, record.checksum, record.tag)
             owner[record.slot] = record.key
-    return ReplayResult(entries, valid, count)
+    return ReplayResult(entries, valid, count, skipped)

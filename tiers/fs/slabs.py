@@ -3,7 +3,13 @@
 Slab ``i`` holds slots ``[i * slots_per_slab, (i + 1) * slots_per_slab)``.
 Slabs are created in order, so the backed slots are always a prefix
 ``[0, backed_slots)``. Creating or growing a slab is blocking (fallocate) and
-runs in a worker thread, one at a time.
+runs in a worker thread, one at a time. Every file is opened through the
+:class:`~tiers.fs.files.RootDir` (``O_NOFOLLOW``, regular files only, 0600).
+
+A slab file unlinked under the running tier (``st_nlink == 0``) is found by
+:meth:`SlabFiles.deleted_slabs` and replaced by :meth:`SlabFiles.recreate`:
+the old descriptor stays open until :meth:`SlabFiles.close` because I/O
+already submitted may still use it.
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ import errno
 import logging
 import mmap
 import os
-from pathlib import Path
 
 from tiering.errors import ConfigError
 from tiers.fs.config import DirectIo
+from tiers.fs.files import RootDir, is_deleted
 from tiers.fs.layout import ALIGNMENT, Geometry, parse_slab_name, slab_name
 
 logger = logging.getLogger(__name__)
@@ -26,7 +32,7 @@ logger = logging.getLogger(__name__)
 class SlabFiles:
     """The open slab files of one root directory (owned by the tier's loop thread)."""
 
-    def __init__(self, root: Path, geometry: Geometry, direct_io: DirectIo, preallocate: bool):
+    def __init__(self, root: RootDir, geometry: Geometry, direct_io: DirectIo, preallocate: bool):
         self._root = root
         self.geometry = geometry
         self._want_direct = direct_io
@@ -36,6 +42,7 @@ class SlabFiles:
         self._sizes: list[int] = []
         self.backed_slots = 0
         self._dirty: set[int] = set()
+        self._retired: list[int] = []  # descriptors of deleted slabs, closed with the others
         self._grow_lock = asyncio.Lock()
 
     # -- opening (blocking: run in a worker thread) ----------------------------------------
@@ -47,23 +54,27 @@ class SlabFiles:
         (raises ConfigError if ``direct_io`` is "on" and it does not).
         """
         geometry = self.geometry
-        on_disk: dict[int, Path] = {}
-        with os.scandir(self._root) as entries:
-            for entry in entries:
-                index = parse_slab_name(entry.name)
-                if index is not None:
-                    on_disk[index] = Path(entry.path)
-        for index, path in sorted(on_disk.items()):
+        root = self._root
+        on_disk = sorted(
+            (index, name) for name in root.names() if (index := parse_slab_name(name)) is not None
+        )
+        for index, name in on_disk:
             if index >= geometry.num_slabs:
-                path.unlink()
-            elif path.stat().st_size > geometry.slab_size(index):
-                os.truncate(path, geometry.slab_size(index))
+                root.unlink(name)
+                continue
+            fd = root.open_file(name, os.O_RDWR)  # refuses a planted symlink or hard link
+            try:
+                if os.fstat(fd).st_size > geometry.slab_size(index):
+                    os.ftruncate(fd, geometry.slab_size(index))
+            finally:
+                os.close(fd)
         self.direct = self._decide_direct()
         for index in range(geometry.num_slabs):
-            path = self._root / slab_name(index)
-            if not path.exists():
+            name = slab_name(index)
+            try:
+                fd = self._open(name)
+            except FileNotFoundError:
                 break
-            fd = self._open(path)
             self._fds.append(fd)
             size = os.fstat(fd).st_size
             self._sizes.append(size)
@@ -75,24 +86,28 @@ class SlabFiles:
     def _decide_direct(self) -> bool:
         if self._want_direct == "off":
             return False
-        path = self._root / slab_name(0)
-        if not path.exists():  # slab 0 must exist to probe; it is needed anyway
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                self._allocate(fd, self.geometry.slab_size(0))
-            finally:
-                os.close(fd)
-        reason = probe_direct_io(path)
+        name = slab_name(0)
+        # Slab 0 must exist to probe; it is needed anyway.
+        fd = self._root.open_file(name, os.O_RDWR, create=True)
+        try:
+            self._allocate(fd, self.geometry.slab_size(0))
+        finally:
+            os.close(fd)
+        reason = probe_direct_io(self._root, name)
         if reason is None:
             return True
         if self._want_direct == "on":
             raise ConfigError(f"fs tier: direct_io is on but O_DIRECT does not work: {reason}")
-        logger.info("fs tier: O_DIRECT unavailable under %s (%s); using buffered I/O", path, reason)
+        logger.info(
+            "fs tier: O_DIRECT unavailable under %s (%s); using buffered I/O",
+            self._root.describe(name),
+            reason,
+        )
         return False
 
-    def _open(self, path: Path) -> int:
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
-        return os.open(path, flags)
+    def _open(self, name: str, *, create: bool = False) -> int:
+        flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
+        return self._root.open_file(name, flags, create=create)
 
     # -- growing ----------------------------------------------------------------------------
 
@@ -114,22 +129,18 @@ class SlabFiles:
         while self.backed_slots < slots:
             index = geometry.slab_of(self.backed_slots)
             full = geometry.slab_size(index)
-            path = self._root / slab_name(index)
             if index < len(self._fds):
                 fd = self._fds[index]
             else:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                if self.direct:
-                    os.close(fd)
-                    fd = self._open(path)
+                fd = self._open(slab_name(index), create=True)
             try:
                 self._allocate(fd, full)
             except OSError:
                 if index >= len(self._fds):
-                    os.close(fd)
                     # Keep a created-but-unallocated slab out of the way of the next try.
                     with contextlib.suppress(OSError):
-                        os.truncate(path, 0)
+                        os.ftruncate(fd, 0)
+                    os.close(fd)
                 raise
             if index >= len(self._fds):
                 self._fds.append(fd)
@@ -159,6 +170,32 @@ class SlabFiles:
         index = slot // geometry.slots_per_slab
         return index, self._fds[index], (slot % geometry.slots_per_slab) * geometry.slot_bytes
 
+    def deleted_slabs(self) -> list[int]:
+        """Indexes of open slabs whose file was unlinked (one fstat each; cheap)."""
+        return [i for i, fd in enumerate(self._fds) if is_deleted(fd)]
+
+    async def recreate(self, slabs: list[int]) -> None:
+        """Replace deleted slab files with new, empty ones. Raises OSError if it cannot.
+
+        Cancellation: a file being created finishes in its thread.
+        """
+        async with self._grow_lock:
+            await asyncio.to_thread(self._recreate_blocking, slabs)
+
+    def _recreate_blocking(self, slabs: list[int]) -> None:
+        for index in slabs:
+            name = slab_name(index)
+            self._root.unlink(name)  # whatever took its name is not ours
+            fd = self._open(name, create=True)
+            try:
+                self._allocate(fd, self._sizes[index])
+            except BaseException:
+                os.close(fd)
+                raise
+            self._retired.append(self._fds[index])
+            self._fds[index] = fd
+            self._dirty.discard(index)
+
     def mark_dirty(self, slab: int) -> None:
         self._dirty.add(slab)
 
@@ -173,20 +210,21 @@ class SlabFiles:
         return list(self._fds)
 
     def close(self) -> None:
-        for fd in self._fds:
+        for fd in self._fds + self._retired:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds.clear()
+        self._retired.clear()
 
 
-def probe_direct_io(path: Path) -> str | None:
-    """Why O_DIRECT I/O on ``path`` fails (None when it works). Blocking.
+def probe_direct_io(root: RootDir, name: str) -> str | None:
+    """Why O_DIRECT I/O on file ``name`` fails (None when it works). Blocking.
 
     Reads the first page and writes the same bytes back (the caller holds the
     root's lock, so nothing else writes there meanwhile).
     """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+        fd = root.open_file(name, os.O_RDWR | os.O_DIRECT)
     except OSError as exc:
         return f"open(O_DIRECT): {exc.strerror or exc}"
     buf = mmap.mmap(-1, ALIGNMENT)

@@ -14,17 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import cast
 
 import xxhash
 
+from tiering.auth import BlockAuthenticator
 from tiering.errors import (
     BlockNotFound,
     ConfigError,
@@ -41,24 +40,20 @@ from tiers.fs.config import (
     FsTierConfig,
     check_capacity_fits,
 )
-from tiers.fs.errors import RootInUseError, TierFullError
+from tiers.fs.deletion import DeletionWatch, FilesDeletedError
+from tiers.fs.errors import TierFullError
+from tiers.fs.files import UnsafeFileError
 from tiers.fs.index import Entry, SlotIndex
 from tiers.fs.io import IoBackend, IoOp, OpKind, make_backend
 from tiers.fs.io.aligned import BouncePool, address_of
-from tiers.fs.journal import JournalWriter, open_for_append, recover, write_snapshot
+from tiers.fs.journal import JournalWriter
 from tiers.fs.layout import (
     ALIGNMENT,
-    HEADER_NAME,
-    JOURNAL_NAME,
-    LOCK_NAME,
     Geometry,
-    Header,
-    parse_slab_name,
-    read_header,
     round_up,
-    write_header,
 )
-from tiers.fs.records import encode_del, encode_put
+from tiers.fs.opening import Prepared, close_prepared_when_done, prepare_root
+from tiers.fs.records import encode_del, encode_put, encode_put_tagged
 from tiers.fs.slabs import SlabFiles
 
 logger = logging.getLogger(__name__)
@@ -83,6 +78,8 @@ class FsTierStats:
     read_failures: int = 0
     write_failures: int = 0
     corrupt_blocks: int = 0
+    auth_failures: int = 0
+    deletions_noticed: int = 0
     evictions: int = 0
     recovered_blocks: int = 0
     dropped_on_recovery: int = 0
@@ -95,7 +92,7 @@ class FsTierStats:
 class _Block:
     """One block of a batch on its way through planning, I/O and settling."""
 
-    __slots__ = ("bounce", "checksum", "entry", "error", "key", "slot", "view")
+    __slots__ = ("bounce", "checksum", "entry", "error", "key", "slot", "tag", "view")
 
     def __init__(self, key: OffloadKey, view: memoryview, slot: int, entry: Entry | None) -> None:
         self.key = key
@@ -104,35 +101,15 @@ class _Block:
         self.entry = entry
         self.bounce: memoryview | None = None
         self.checksum = 0
+        self.tag: bytes | None = None
         self.error: BaseException | None = None
-
-
-@dataclass(slots=True)
-class _Prepared:
-    """What opening the root directory produced (in a worker thread)."""
-
-    lock_fd: int
-    header: Header
-    geometry: Geometry
-    slabs: SlabFiles
-    entries: dict[bytes, tuple[int, int]]
-    journal_fd: int
-    journal_size: int
-    dropped: int
-    notes: list[str]
-
-    def close(self) -> None:
-        self.slabs.close()
-        for fd in (self.journal_fd, self.lock_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 @dataclass(slots=True)
 class _Open:
     """Everything that exists while the tier is open (owned by its loop thread)."""
 
-    prepared: _Prepared
+    prepared: Prepared
     geometry: Geometry
     slabs: SlabFiles
     index: SlotIndex
@@ -141,6 +118,9 @@ class _Open:
     bounce: BouncePool
     seed: int
     pad: bytes
+    auth: BlockAuthenticator | None
+    fingerprint: bytes
+    watch: DeletionWatch
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     room_waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
@@ -174,25 +154,14 @@ class FileSystemTier(AsyncTier):
         on_layout_mismatch: str = "reset",
         preallocate: bool = True,
         create_root_dir: bool = True,
+        auth_key_file: str | None = None,
+        auth_key_env: str | None = None,
     ) -> None:
-        self.config = FsTierConfig.from_kwargs(
-            root_dir=root_dir,
-            capacity_bytes=capacity_bytes,
-            capacity_blocks=capacity_blocks,
-            n_read_threads=n_read_threads,
-            n_write_threads=n_write_threads,
-            io_backend=io_backend,
-            direct_io=direct_io,
-            durability=durability,
-            sync_interval_s=sync_interval_s,
-            eviction_policy=eviction_policy,
-            slab_bytes=slab_bytes,
-            queue_depth=queue_depth,
-            max_io_bytes=max_io_bytes,
-            on_layout_mismatch=on_layout_mismatch,
-            preallocate=preallocate,
-            create_root_dir=create_root_dir,
-        )
+        # This signature is the one list of the tier's keys and defaults (the registry
+        # reads it to reject unknown keys); FsTierConfig checks the values.
+        options = dict(locals())
+        del options["self"]
+        self.config = FsTierConfig.from_options(options)
         self.check_options({"io_backend": self.config.io_backend})
         # Blocks the framework may hand over at once. Queued blocks cost nothing here (the
         # backend keeps ``queue_depth`` ops in the kernel), and whole jobs in one call
@@ -241,12 +210,12 @@ class FileSystemTier(AsyncTier):
                 f"{context.block_bytes} bytes ({geometry.slot_bytes} bytes on disk)"
             )
         job = asyncio.ensure_future(
-            asyncio.to_thread(_prepare_root, cfg, geometry, context.layout_fingerprint)
+            asyncio.to_thread(prepare_root, cfg, geometry, context.layout_fingerprint)
         )
         try:
             prepared = await asyncio.shield(job)
         except asyncio.CancelledError:
-            job.add_done_callback(_close_prepared_when_done)
+            job.add_done_callback(close_prepared_when_done)
             raise
         try:
             self._open_state = self._start(prepared)
@@ -271,7 +240,7 @@ class FileSystemTier(AsyncTier):
             stats.direct_io,
         )
 
-    def _start(self, prepared: _Prepared) -> _Open:
+    def _start(self, prepared: Prepared) -> _Open:
         cfg = self.config
         loop = asyncio.get_running_loop()
         geometry = prepared.geometry
@@ -288,14 +257,14 @@ class FileSystemTier(AsyncTier):
             await self._sync_data(state, strict=True)
 
         journal = JournalWriter(
-            cfg.root_dir,
+            prepared.root,
             prepared.header,
             prepared.journal_fd,
             prepared.journal_size,
             backend,
             sync_each_flush=cfg.durability == "fsync",
             before_flush=sync_data_strict if cfg.durability == "fsync" else None,
-            snapshot=lambda: [(k, e.slot, e.checksum) for k, e in index.items()],
+            snapshot=lambda: [(k, e.slot, e.checksum, e.tag) for k, e in index.items()],
             live_count=index.__len__,
         )
         state = _Open(
@@ -308,13 +277,31 @@ class FileSystemTier(AsyncTier):
             bounce=BouncePool(geometry.slot_bytes, keep=cfg.queue_depth),
             seed=journal.seed,
             pad=bytes(geometry.slot_bytes - geometry.block_bytes),
+            auth=cfg.authenticator,
+            fingerprint=self.context.layout_fingerprint.encode(),
+            watch=DeletionWatch(
+                self.context.name,
+                prepared.root,
+                prepared.header,
+                prepared.slabs,
+                journal,
+                index,
+                self.report_removed,
+                on_noticed=self._count_deletion,
+            ),
         )
         state.tasks.append(loop.create_task(journal.run(), name=f"fs-tier-journal-{id(self)}"))
+        state.tasks.append(
+            loop.create_task(state.watch.run(), name=f"fs-tier-deletion-watch-{id(self)}")
+        )
         if cfg.durability == "periodic":
             state.tasks.append(
                 loop.create_task(self._periodic_sync(state), name=f"fs-tier-sync-{id(self)}")
             )
         return state
+
+    def _count_deletion(self) -> None:
+        self.stats.deletions_noticed += 1
 
     def _make_backend(self, loop: asyncio.AbstractEventLoop) -> IoBackend:
         """The I/O backend the config asks for (tests override this to inject faults)."""
@@ -498,22 +485,39 @@ class FileSystemTier(AsyncTier):
                 continue
             if block.bounce is not None:
                 block.view[:] = block.bounce[:block_bytes]
-            assert block.entry is not None
-            if _checksum(block.view) != block.entry.checksum:
+            entry = block.entry
+            assert entry is not None
+            if _checksum(block.view) != entry.checksum:
                 block.error = CorruptBlock(block.key, "checksum mismatch")
+            elif state.auth is not None:
+                block.error = _authentication_error(state, block.key, block.view, entry)
 
     def _drop(self, state: _Open, key: OffloadKey, entry: Entry, why: BaseException) -> None:
         """Forget a block that failed to read, so it is a miss from now on."""
         if state.index.get(key) is not entry:
             return
-        if isinstance(why, CorruptBlock):
-            self.stats.corrupt_blocks += 1
+        stats = self.stats
+        if isinstance(why, _AuthenticationFailed):
+            stats.auth_failures += 1
+            if stats.auth_failures == 1:  # once per tier: a forger must not flood the log
+                logger.error(
+                    "fs tier %s: block %s failed authentication (%s) and was deleted; someone "
+                    "without the key wrote to %s. Further failures are only counted "
+                    "(stats.auth_failures)",
+                    self.context.name,
+                    key.hex(),
+                    why,
+                    self.config.root_dir,
+                )
+        elif isinstance(why, CorruptBlock):
+            stats.corrupt_blocks += 1
         seq = state.journal.next_seq
         state.index.remove(key, seq)
         with contextlib.suppress(RuntimeError):  # closing: the entry is gone from memory anyway
             state.journal.append(encode_del([key], state.seed), retry=True)
         self.report_removed([key])
-        logger.warning("fs tier %s: dropped block %s: %s", self.context.name, key.hex(), why)
+        if not isinstance(why, _AuthenticationFailed):
+            logger.warning("fs tier %s: dropped block %s: %s", self.context.name, key.hex(), why)
 
     # -- writes -------------------------------------------------------------------------
 
@@ -548,6 +552,8 @@ class FileSystemTier(AsyncTier):
         if len(set(keys)) != len(keys):
             raise ValueError("a write batch names the same key twice")
         views = self._block_views(datas, writable=False)
+        if state.watch.refusing is not None:
+            raise FilesDeletedError(state.watch.refusing)
         index, journal = state.index, state.journal
         errors: dict[bytes, BaseException] = {}
         # All or nothing: a batch that fits waits while other writes and reads hold the
@@ -604,7 +610,7 @@ class FileSystemTier(AsyncTier):
         ops = [op for op, _ in plan]
         batch = state.backend.start(ops)
         try:
-            await _checksum_blocks(live)
+            await _seal_blocks(live, state.auth, state.fingerprint)
         except asyncio.CancelledError:
             await state.backend.abandon(batch, ops)
             raise
@@ -619,8 +625,13 @@ class FileSystemTier(AsyncTier):
         if not good:
             return
         seq = journal.next_seq
-        entries = [(b.key, b.slot, b.checksum) for b in good]
-        payload = encode_put(entries, state.seed)
+        entries = [(b.key, b.slot, b.checksum, b.tag) for b in good]
+        if state.auth is not None:
+            payload = encode_put_tagged(
+                [(b.key, b.slot, b.checksum, b.tag or b"") for b in good], state.seed
+            )
+        else:
+            payload = encode_put([(b.key, b.slot, b.checksum) for b in good], state.seed)
         index = state.index
         stats = self.stats
         block_bytes = state.geometry.block_bytes
@@ -642,15 +653,48 @@ class FileSystemTier(AsyncTier):
         except OSError as exc:
             for block in good:
                 block.error = exc
+            return
+        await self._refuse_ack_into_deleted_files(state, good, {op.fd for op in ops})
+
+    async def _refuse_ack_into_deleted_files(
+        self, state: _Open, blocks: list[_Block], fds: set[int]
+    ) -> None:
+        """Fail (and forget) committed blocks whose slab file was deleted under them.
+
+        A deleted journal is written again first: it held their records.
+        """
+        watch, journal = state.watch, state.journal
+        if journal.file_deleted():
+            await watch.check()
+        why = watch.unsafe_fds(list(fds))
+        if why is None:
+            return
+        await watch.check()  # the slab is repaired (or stores refused) for the next writes
+        seq = journal.next_seq
+        gone = []
+        for block in blocks:
+            entry = state.index.get(block.key)
+            if entry is not None and entry.slot == block.slot:
+                state.index.remove(block.key, seq)
+                gone.append(block.key)
+            block.error = FilesDeletedError(f"block {block.key.hex()} not stored: {why}")
+        if gone:
+            with contextlib.suppress(RuntimeError):
+                journal.append(encode_del(gone, state.seed), retry=True)
+            self._notify_room(state)
 
     async def _back_slots(self, state: _Open, blocks: list[_Block]) -> None:
-        """Create slab files for the blocks' slots; on ENOSPC, shrink capacity and fail those."""
+        """Create slab files for the blocks' slots; on ENOSPC, shrink capacity and fail those.
+
+        A link planted where a slab is to be created is refused the same way
+        (UnsafeFileError; the next open refuses the directory).
+        """
         top = max(b.slot for b in blocks) + 1
         if top <= state.slabs.backed_slots:
             return
         try:
             await state.slabs.ensure(top)
-        except OSError as exc:
+        except (OSError, UnsafeFileError) as exc:
             backed = state.slabs.backed_slots
             if backed < state.index.capacity_slots:
                 logger.warning(
@@ -783,109 +827,40 @@ class FileSystemTier(AsyncTier):
             state.journal.request_sync()
 
 
+class _AuthenticationFailed(CorruptBlock):
+    """A block whose MAC tag is missing or wrong: written by someone without the key."""
+
+
+def _authentication_error(
+    state: _Open, key: OffloadKey, data: memoryview, entry: Entry
+) -> CorruptBlock | None:
+    auth = state.auth
+    assert auth is not None
+    if entry.tag is None:
+        return _AuthenticationFailed(key, "stored without an authentication tag")
+    if not auth.verify(key, state.fingerprint, data, entry.tag):
+        return _AuthenticationFailed(key, "authentication tag mismatch")
+    return None
+
+
 def _slot_of(block: _Block) -> int:
     return block.slot
 
 
-async def _checksum_blocks(blocks: list[_Block]) -> None:
-    """xxh3_128 of each block's bytes, yielding to the loop every few MiB."""
+async def _seal_blocks(
+    blocks: list[_Block], auth: BlockAuthenticator | None, fingerprint: bytes
+) -> None:
+    """xxh3_128 (and, with a key, the MAC tag) of each block, yielding every few MiB.
+
+    Runs on the tier's loop thread, never the scheduler's; hashlib releases
+    the GIL while it hashes a block.
+    """
     budget = _HASH_SLICE_BYTES
     for block in blocks:
         block.checksum = _checksum(block.view)
+        if auth is not None:
+            block.tag = auth.tag(block.key, fingerprint, block.view)
         budget -= block.view.nbytes
         if budget <= 0:
             budget = _HASH_SLICE_BYTES
             await asyncio.sleep(0)
-
-
-# -- opening the root directory (blocking; runs in a worker thread) ---------------------
-
-
-def _prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> _Prepared:
-    root = cfg.root_dir
-    notes: list[str] = []
-    lock_fd = _lock_root(root)
-    slabs: SlabFiles | None = None
-    try:
-        header = _checked_header(cfg, geometry, fingerprint, notes)
-        geometry = replace(geometry, slots_per_slab=header.slots_per_slab)
-        result, problem = recover(root, header)
-        if problem is not None:
-            notes.append(f"journal: {problem}")
-            logger.warning("fs tier: %s: journal %s", root, problem)
-        slabs = SlabFiles(root, geometry, cfg.direct_io, cfg.preallocate)
-        slabs.open_existing()
-        backed = slabs.backed_slots
-        entries = {k: v for k, v in result.entries.items() if v[0] < backed}
-        dropped = len(result.entries) - len(entries)
-        if dropped:
-            notes.append(f"{dropped} blocks beyond the capacity or the slab files were dropped")
-        size = write_snapshot(root, header, [(k, s, c) for k, (s, c) in entries.items()])
-        journal_fd = open_for_append(root)
-    except BaseException:
-        if slabs is not None:
-            slabs.close()
-        os.close(lock_fd)
-        raise
-    return _Prepared(lock_fd, header, geometry, slabs, entries, journal_fd, size, dropped, notes)
-
-
-def _close_prepared_when_done(job: asyncio.Future[_Prepared]) -> None:
-    if not job.cancelled() and job.exception() is None:
-        job.result().close()
-
-
-def _lock_root(root: Path) -> int:
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise RootInUseError(
-            f"fs tier: root_dir {str(root)!r} is in use by another fs tier (pid {holder}); "
-            "give each engine its own root_dir"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _checked_header(
-    cfg: FsTierConfig, geometry: Geometry, fingerprint: str, notes: list[str]
-) -> Header:
-    """The root's header if it describes this layout; otherwise reset (or refuse)."""
-    root = cfg.root_dir
-    try:
-        header = read_header(root)
-        reason = None if header is None else header.mismatch(geometry.block_bytes, fingerprint)
-    except ValueError as exc:
-        header, reason = None, f"unreadable header ({exc})"
-    if header is not None and reason is None:
-        return header
-    leftovers = _owned_files(root)
-    if reason is not None:
-        if cfg.on_layout_mismatch == "error":
-            raise ConfigError(
-                f"fs tier: root_dir {str(root)!r} holds a cache for another layout: {reason}. "
-                "Use another root_dir, or on_layout_mismatch='reset' to discard it"
-            )
-        notes.append(f"reset: {reason}")
-        logger.warning("fs tier: %s holds a cache for another layout (%s); resetting", root, reason)
-    elif leftovers:
-        notes.append("reset: slab or journal files without a header")
-    for path in leftovers:  # the header goes first, so an interrupted reset resets again
-        path.unlink(missing_ok=True)
-    header = Header.new(geometry, fingerprint)
-    write_header(root, header)
-    write_snapshot(root, header, [])
-    return header
-
-
-def _owned_files(root: Path) -> list[Path]:
-    """This tier's files under ``root``, header first (never anything else)."""
-    names = [HEADER_NAME, JOURNAL_NAME, f".{JOURNAL_NAME}.tmp", f".{HEADER_NAME}.tmp"]
-    out = [root / n for n in names if (root / n).exists()]
-    with os.scandir(root) as entries:
-        out += [Path(e.path) for e in entries if parse_slab_name(e.name) is not None]
-    return out
