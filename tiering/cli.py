@@ -227,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--eviction-policy",
         metavar="NAME",
-        help="primary tier eviction policy: lru or arc (overrides the config)",
+        help="primary tier eviction policy (overrides the config): lru, arc, kvaware, "
+        "pkg.mod:Class or an entry point, with options as NAME(key=value,...)",
     )
     replay.add_argument(
         "--tier",
@@ -287,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         default=None,
         metavar="LIST",
-        help="comma-separated eviction policies (default: all: lru,arc)",
+        help="comma-separated eviction policies: built-in names, pkg.mod:Class paths or entry "
+        "points, with options as NAME(key=value,...) (default: every built-in policy)",
     )
     sweep.add_argument(
         "--out",
@@ -376,7 +378,7 @@ def _replay_config(
     if args.cpu_bytes is not None:
         extra["cpu_bytes_to_use"] = args.cpu_bytes
     if args.eviction_policy is not None:
-        extra["eviction_policy"] = args.eviction_policy
+        extra["eviction_policy"] = _policy_setting(args.eviction_policy, "--eviction-policy")
     if args.no_secondary:
         extra["secondary_tiers"] = []
     elif args.tier:
@@ -552,20 +554,35 @@ def _parse_capacities(text: str, block_bytes: int) -> list[int]:
     return capacities
 
 
+def _policy_setting(text: str, option: str) -> Any:
+    """A policy given on the command line: ``NAME`` or ``NAME(key=value,...)``."""
+    from tiering.policies import parse_policy_text
+
+    if "(" not in text:
+        return text.strip()
+    try:
+        return parse_policy_text(text, key=option)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from tiering.policies import POLICY_NAMES
+    from tiering.policies import POLICY_NAMES, PolicyChoice, resolve_policy, split_policy_list
     from tiering.replay import sweep as sweeping
     from tiering.replay.trace import trace_footprint
 
-    policies = list(POLICY_NAMES)
-    if args.policies:
-        policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
-        unknown = [p for p in policies if p not in POLICY_NAMES]
-        if unknown or not policies:
-            raise UsageError(
-                f"--policies: unknown eviction policy {unknown[0] if unknown else ''!r}; "
-                f"known: {', '.join(POLICY_NAMES)}"
-            )
+    texts = split_policy_list(args.policies) if args.policies else list(POLICY_NAMES)
+    if not texts:
+        raise UsageError("--policies: give at least one eviction policy")
+    policies: list[PolicyChoice] = []
+    for text in texts:
+        try:
+            policies.append(resolve_policy(_policy_setting(text, "--policies"), key="--policies"))
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+    labels = [choice.label for choice in policies]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"--policies: a policy is listed twice: {', '.join(labels)}")
     outputs = {ext: Path(f"{args.out}.{ext}") for ext in ("png", "csv", "json")}
     for path in outputs.values():
         check_writable(path, "--out")

@@ -154,7 +154,7 @@ class TieringOffloadingSpec:
         primary = CPUPrimaryTier(
             self.num_blocks,
             self.block_bytes,
-            config.eviction_policy,
+            config.policy,
             enable_events=self.enable_events,
             shared_name=self._shared_name,
             require_alignment=self._require_alignment,

@@ -21,7 +21,7 @@ import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies import EvictionPolicy, PolicyChoice, make_policy
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
 
 #: Blocks offloaded per store call: one prefill chunk of vLLM's default 8192-token
@@ -81,11 +81,13 @@ def unlimited_hit_rate(
 def simulate_policy(
     requests: Sequence[Request],
     capacity_blocks: int,
-    policy_name: str,
+    policy_name: str | PolicyChoice,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
 ) -> HitRate:
-    """Prefix hits of one cache of ``capacity_blocks`` run by the named eviction policy.
+    """Prefix hits of one cache of ``capacity_blocks`` run by an eviction policy.
+
+    ``policy_name`` is any setting :func:`~tiering.policies.resolve_policy` accepts.
 
     Each request drives the policy the way vLLM's connector drives the CPU primary
     tier (:class:`~tiering.primary.CPUPrimaryTier`): the leading cached blocks hit;

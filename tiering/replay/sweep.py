@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tiering.policies import POLICY_NAMES
+from tiering.policies import POLICY_NAMES, PolicyChoice, resolve_policy
 from tiering.replay.offline import (
     DEFAULT_STORE_CHUNK_BLOCKS,
     HitRate,
@@ -95,7 +95,7 @@ def run_sweep(
     requests: Sequence[Request],
     capacities: Sequence[int],
     *,
-    policies: Sequence[str] = POLICY_NAMES,
+    policies: Sequence[str | PolicyChoice] = POLICY_NAMES,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     block_bytes: int = 0,
     store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
@@ -105,27 +105,34 @@ def run_sweep(
 ) -> SweepResult:
     """Simulate every policy (and Belady) at every capacity.
 
-    ``on_step(name, capacity)`` is called after each simulation (for progress);
+    ``policies`` are settings :func:`~tiering.policies.resolve_policy` accepts
+    (names, ``pkg.mod:Class`` paths, ``name(k=v)`` texts, resolved choices); results
+    are keyed by each choice's label. ``on_step(name, capacity)`` is called after
+    each simulation (for progress);
     ``should_stop()`` is checked before each one, and a stopped sweep returns the
     capacities finished so far.
     """
     if not capacities or any(c <= 0 for c in capacities):
         raise ValueError(f"capacities must be positive block counts, got {list(capacities)}")
+    choices = [resolve_policy(policy, key="--policies") for policy in policies]
+    labels = [choice.label for choice in choices]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"policies must be distinct, got {labels}")
     points: list[SweepPoint] = []
     for capacity in sorted(set(capacities)):
         rates: dict[str, HitRate] = {}
-        for name in (*policies, BELADY):
+        for name, choice in (*zip(labels, choices, strict=True), (BELADY, None)):
             if should_stop is not None and should_stop():
                 break
-            if name == BELADY:
+            if choice is None:
                 rates[name] = simulate_belady(requests, capacity, block_tokens)
             else:
                 rates[name] = simulate_policy(
-                    requests, capacity, name, block_tokens, store_chunk_blocks
+                    requests, capacity, choice, block_tokens, store_chunk_blocks
                 )
             if on_step is not None:
                 on_step(name, capacity)
-        if len(rates) < len(policies) + 1:
+        if len(rates) < len(choices) + 1:
             break
         points.append(SweepPoint(capacity, capacity * block_bytes, rates))
     return SweepResult(
@@ -134,7 +141,7 @@ def run_sweep(
         footprint_blocks=trace_footprint(requests),
         block_tokens=block_tokens,
         block_bytes=block_bytes,
-        policies=tuple(policies),
+        policies=tuple(labels),
         unlimited=unlimited_hit_rate(requests, block_tokens),
         points=tuple(points),
     )
@@ -182,7 +189,7 @@ def plot_png(result: SweepResult, path: Path) -> None:
             capacities,
             [100 * p.hit_rates[name].token_hit_rate for p in result.points],
             marker="o",
-            label=name.upper(),
+            label=_column_title(name),
         )
     axes.plot(
         capacities,
@@ -228,7 +235,9 @@ def render_table(result: SweepResult, console: Console) -> None:
     table.add_column("capacity", justify="right")
     table.add_column("of footprint", justify="right")
     for name in names:
-        table.add_column("Belady (optimum)" if name == BELADY else name.upper(), justify="right")
+        table.add_column(
+            "Belady (optimum)" if name == BELADY else _column_title(name), justify="right"
+        )
     for point in result.points:
         table.add_row(
             f"{point.capacity_blocks:,}",
@@ -237,3 +246,8 @@ def render_table(result: SweepResult, console: Console) -> None:
             *(f"{point.hit_rates[n].token_hit_rate:.1%}" for n in names),
         )
     console.print(table)
+
+
+def _column_title(label: str) -> str:
+    """Built-in names in capitals (LRU, ARC, KVAWARE); user policies as written."""
+    return label.upper() if label in POLICY_NAMES else label

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from tiering.errors import ConfigError
-from tiering.policies import POLICY_NAMES
+from tiering.policies import PolicyChoice, resolve_policy
 from tiers.fs.layout import SLAB_GLOB_PREFIX, existing_slab_bytes
 
 KiB = 1024
@@ -122,12 +122,18 @@ class FsTierConfig:
     direct_io: DirectIo = "auto"
     durability: Durability = "periodic"
     sync_interval_s: float = 1.0
-    eviction_policy: str = "lru"
+    eviction_policy: str = "lru"  # the policy's label; ``policy`` is what is built
+    policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
     slab_bytes: int = DEFAULT_SLAB_BYTES
     queue_depth: int = 32
     max_io_bytes: int = DEFAULT_MAX_IO_BYTES
     on_layout_mismatch: Literal["reset", "error"] = "reset"
     preallocate: bool = True
+
+    def __post_init__(self) -> None:
+        given: object = self.policy  # None unless a resolved choice was passed
+        if given is None:
+            object.__setattr__(self, "policy", resolve_policy(self.eviction_policy))
 
     @classmethod
     def from_kwargs(
@@ -142,7 +148,7 @@ class FsTierConfig:
         direct_io: bool | str | None = "auto",
         durability: str = "periodic",
         sync_interval_s: float = 1.0,
-        eviction_policy: str = "lru",
+        eviction_policy: object = "lru",
         slab_bytes: int | str = DEFAULT_SLAB_BYTES,
         queue_depth: int = 32,
         max_io_bytes: int | str = DEFAULT_MAX_IO_BYTES,
@@ -165,11 +171,7 @@ class FsTierConfig:
                 f"fs tier: sync_interval_s must be a number of seconds in (0, 3600], "
                 f"got {sync_interval_s!r}"
             )
-        if eviction_policy not in POLICY_NAMES:
-            raise ConfigError(
-                f"fs tier: eviction_policy must be one of {', '.join(POLICY_NAMES)}; "
-                f"got {eviction_policy!r}"
-            )
+        policy = resolve_policy(eviction_policy, key="fs tier: eviction_policy")
         slab = parse_size("slab_bytes", slab_bytes)
         if slab < 4 * KiB:
             raise ConfigError(f"fs tier: slab_bytes must be at least 4KiB, got {slab}")
@@ -198,7 +200,8 @@ class FsTierConfig:
             direct_io=_direct_io(direct_io),
             durability=durable,  # type: ignore[arg-type]
             sync_interval_s=float(sync_interval_s),
-            eviction_policy=eviction_policy,
+            eviction_policy=policy.label,
+            policy=policy,
             slab_bytes=slab,
             queue_depth=depth,
             max_io_bytes=max_io,
