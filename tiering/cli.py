@@ -292,6 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
         "points, with options as NAME(key=value,...) (default: every built-in policy)",
     )
     sweep.add_argument(
+        "--admission",
+        default=None,
+        metavar="LIST",
+        help="also compare cascade admission policies (e.g. all,reuse): each --policies "
+        "primary over an LRU secondary tier, reporting hit rate and bytes written below",
+    )
+    sweep.add_argument(
+        "--secondary-factor",
+        type=_positive_float,
+        default=4.0,
+        metavar="F",
+        help="with --admission: the secondary tier's capacity as a multiple of the primary's "
+        "(default 4)",
+    )
+    sweep.add_argument(
         "--out",
         type=Path,
         default=Path("tiering-sweep"),
@@ -554,6 +569,31 @@ def _parse_capacities(text: str, block_bytes: int) -> list[int]:
     return capacities
 
 
+def _admission_sweep(
+    args: argparse.Namespace, requests: Any, result: Any, policies: Any, stop: threading.Event
+) -> list[Any]:
+    from tiering.policies import resolve_admission, split_policy_list
+    from tiering.replay import sweep as sweeping
+
+    try:
+        admissions = [
+            resolve_admission(_policy_setting(text, "--admission"), key="--admission")
+            for text in split_policy_list(args.admission)
+        ]
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    return sweeping.run_admission_sweep(
+        requests,
+        [point.capacity_blocks for point in result.points],
+        policies=policies,
+        admissions=admissions,
+        secondary_factor=args.secondary_factor,
+        block_tokens=args.block_tokens,
+        store_chunk_blocks=args.chunk_blocks,
+        should_stop=stop.is_set,
+    )
+
+
 def _policy_setting(text: str, option: str) -> Any:
     """A policy given on the command line: ``NAME`` or ``NAME(key=value,...)``."""
     from tiering.policies import parse_policy_text
@@ -621,14 +661,19 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             on_step=on_step,
             should_stop=stop.is_set,
         )
+    admission: list[Any] = []
+    if args.admission and result.points and not stop.is_set():
+        admission = _admission_sweep(args, workload.requests, result, policies, stop)
     if result.points:
         sweeping.write_csv(result, outputs["csv"])
-        sweeping.write_json(result, outputs["json"])
+        sweeping.write_json(result, outputs["json"], admission)
         sweeping.plot_png(result, outputs["png"])
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(json.dumps(sweeping.sweep_json(result, admission), indent=2))
     else:
         sweeping.render_table(result, out)
+        if admission:
+            sweeping.render_admission_table(admission, footprint, args.block_bytes, out)
         if result.points:
             out.print("Wrote " + ", ".join(str(p) for p in outputs.values()))
         else:

@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tiering.errors import ConfigError
-from tiering.policies import PolicyChoice, resolve_policy
+from tiering.policies import PolicyChoice, resolve_admission, resolve_policy
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ KNOWN_KEYS = (
     "block_size",
     "eviction_policy",
     "cache_policy_module_path",
+    "cascade_admission",
     "secondary_tiers",
     "store_threshold",
     "shutdown_timeout_s",
@@ -61,7 +62,8 @@ class TieringConfig:
     dicts, each with a non-empty string ``"type"``. ``eviction_policy`` is the
     policy's label (``"lru"``, ``"kvaware(probation_ghosts=2)"``, ``"pkg.mod:Class"``);
     ``policy`` is the resolved choice the primary tier builds (resolved from
-    ``eviction_policy`` when not given).
+    ``eviction_policy`` when not given). ``cascade_admission`` chooses which
+    stored blocks are cascaded to the secondary tiers (None: all of them).
     """
 
     cpu_bytes_to_use: int
@@ -73,6 +75,7 @@ class TieringConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     failed_promotion_backoff_s: float = DEFAULT_FAILED_PROMOTION_BACKOFF_S
     backfill_earlier_tiers: bool = True
+    cascade_admission: PolicyChoice | None = None
 
     def __post_init__(self) -> None:
         given: object = self.policy  # None unless a resolved choice was passed
@@ -113,6 +116,7 @@ class TieringConfig:
                 positive=False,
             ),
             backfill_earlier_tiers=_flag(extra_config, "backfill_earlier_tiers", True),
+            cascade_admission=_cascade_admission(extra_config),
         )
 
 
@@ -232,6 +236,15 @@ def _eviction_policy(extra: Mapping[str, Any]) -> PolicyChoice:
     value = _get(extra, "eviction_policy", DEFAULT_EVICTION_POLICY)
     module_path = _get(extra, "cache_policy_module_path", None)
     return resolve_policy(value, module_path=module_path)
+
+
+def _cascade_admission(extra: Mapping[str, Any]) -> PolicyChoice | None:
+    """None (cascade everything, no per-block work) unless a policy other than "all" is named."""
+    value = _get(extra, "cascade_admission", None)
+    if value is None:
+        return None
+    choice = resolve_admission(value)
+    return None if choice.label == "all" else choice
 
 
 def _secondary_tiers(extra: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:

@@ -9,6 +9,14 @@ vLLM's ``eviction_policy`` + ``cache_policy_module_path`` spelling, with options
 
 from __future__ import annotations
 
+from tiering.policies.admission import (
+    ADMISSION_ENTRY_POINT_GROUP,
+    ADMISSION_NAMES,
+    AdmissionPolicy,
+    AdmitAll,
+    ReuseAdmission,
+    resolve_admission,
+)
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.kvaware import KVAwarePolicy
@@ -26,6 +34,12 @@ from tiering.policies.registry import (
 )
 
 __all__ = [
+    "ADMISSION_ENTRY_POINT_GROUP",
+    "ADMISSION_NAMES",
+    "AdmissionPolicy",
+    "AdmitAll",
+    "ReuseAdmission",
+    "resolve_admission",
     "BUILTIN_POLICIES",
     "ENTRY_POINT_GROUP",
     "POLICY_NAMES",

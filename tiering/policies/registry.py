@@ -43,7 +43,27 @@ BUILTIN_POLICIES: Mapping[str, type[EvictionPolicy[Any]]] = MappingProxyType(
 #: Built-in policy names (the default set ``tiering sweep`` compares).
 POLICY_NAMES = tuple(BUILTIN_POLICIES)
 
-PolicyFactory = Callable[..., EvictionPolicy[Any]]
+PolicyFactory = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyKind:
+    """One family of pluggable policies: what they subclass, built-ins and entry-point group."""
+
+    noun: str  # "eviction policy", "admission policy"
+    base: type
+    builtins: Mapping[str, type]
+    group: str
+    doc: str  # where users read how to write one
+
+
+EVICTION = PolicyKind(
+    "eviction policy",
+    EvictionPolicy,
+    BUILTIN_POLICIES,
+    ENTRY_POINT_GROUP,
+    "docs/writing-a-policy.md",
+)
 
 _NAME_KEY = "name"
 _TEXT_FORM = re.compile(r"^\s*([^()\s]+)\s*(?:\((.*)\))?\s*$", re.DOTALL)
@@ -61,10 +81,14 @@ class PolicyChoice:
     factory: PolicyFactory
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
-    def build(self, capacity: int) -> EvictionPolicy[Any]:
-        """A fresh policy for ``capacity`` keys (``ConfigError`` for a bad capacity)."""
+    def build(self, capacity: int) -> Any:
+        """A fresh policy for ``capacity`` keys (``ConfigError`` for a bad capacity).
+
+        An :class:`EvictionPolicy` for choices :func:`resolve_policy` made (an
+        admission policy for those of :func:`~tiering.policies.admission.resolve_admission`).
+        """
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ConfigError(f"eviction policy capacity must be a positive int, got {capacity!r}")
+            raise ConfigError(f"policy capacity must be a positive int, got {capacity!r}")
         return self.factory(capacity, **self.options)
 
     @property
@@ -85,10 +109,10 @@ class PolicyChoice:
         return self.label
 
 
-def known_policy_names() -> list[str]:
+def known_policy_names(kind: PolicyKind = EVICTION) -> list[str]:
     """Names resolvable without a path: the built-ins, then entry points."""
-    names = list(POLICY_NAMES)
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    names = list(kind.builtins)
+    for entry_point in importlib.metadata.entry_points(group=kind.group):
         if entry_point.name not in names:
             names.append(entry_point.name)
     return names
@@ -100,6 +124,7 @@ def resolve_policy(
     module_path: object = None,
     key: str = "eviction_policy",
     options: Mapping[str, Any] | None = None,
+    kind: PolicyKind = EVICTION,
 ) -> PolicyChoice:
     """Resolve an ``eviction_policy`` setting (see the module docstring) to a :class:`PolicyChoice`.
 
@@ -112,7 +137,7 @@ def resolve_policy(
     """
     if isinstance(setting, PolicyChoice) and not options and module_path is None:
         return setting
-    name, given = _split_setting(setting, key)
+    name, given = _split_setting(setting, key, kind)
     merged = {**given, **(options or {})}
     if module_path is not None:
         if not isinstance(module_path, str) or not module_path.strip():
@@ -120,13 +145,13 @@ def resolve_policy(
                 f"cache_policy_module_path must be a module name like 'pkg.mod', "
                 f"got {module_path!r}"
             )
-        factory = _load(f"{module_path.strip()}:{name}", name, key)
+        factory = _load(f"{module_path.strip()}:{name}", name, key, kind)
     else:
-        factory = _factory_for(name, key)
-        if name.lower() in BUILTIN_POLICIES:
+        factory = _factory_for(name, key, kind)
+        if name.lower() in kind.builtins:
             name = name.lower()
     choice = PolicyChoice(name, factory, MappingProxyType(merged))
-    _check_options(choice, key)
+    _check_options(choice, key, kind)
     return choice
 
 
@@ -136,7 +161,8 @@ def make_policy(setting: object, capacity: int) -> EvictionPolicy[Any]:
     Raises :class:`ConfigError` for a bad setting or a capacity that is not a
     positive int.
     """
-    return resolve_policy(setting).build(capacity)
+    policy: EvictionPolicy[Any] = resolve_policy(setting).build(capacity)
+    return policy
 
 
 def parse_policy_text(text: str, *, key: str = "eviction_policy") -> dict[str, Any]:
@@ -181,14 +207,14 @@ def split_policy_list(text: str) -> list[str]:
 # -- internals --------------------------------------------------------------------------------
 
 
-def _split_setting(setting: object, key: str) -> tuple[str, dict[str, Any]]:
+def _split_setting(setting: object, key: str, kind: PolicyKind) -> tuple[str, dict[str, Any]]:
     if isinstance(setting, PolicyChoice):
         return setting.name, dict(setting.options)
     if isinstance(setting, str):
         if "(" in setting:
             setting = parse_policy_text(setting, key=key)
         else:
-            return _check_name(setting, key), {}
+            return _check_name(setting, key, kind), {}
     if isinstance(setting, Mapping):
         if _NAME_KEY not in setting:
             raise ConfigError(
@@ -199,21 +225,21 @@ def _split_setting(setting: object, key: str) -> tuple[str, dict[str, Any]]:
         bad = [k for k in options if not isinstance(k, str) or not k.isidentifier()]
         if bad:
             raise ConfigError(f"{key}: option names must be identifiers, got {bad[0]!r}")
-        return _check_name(setting[_NAME_KEY], key), options
-    raise ConfigError(_unknown_message(key, setting))
+        return _check_name(setting[_NAME_KEY], key, kind), options
+    raise ConfigError(_unknown_message(key, setting, kind))
 
 
-def _check_name(name: object, key: str) -> str:
+def _check_name(name: object, key: str, kind: PolicyKind) -> str:
     if not isinstance(name, str) or not name.strip():
-        raise ConfigError(_unknown_message(key, name))
+        raise ConfigError(_unknown_message(key, name, kind))
     return name.strip()
 
 
-def _factory_for(name: str, key: str) -> PolicyFactory:
-    builtin = BUILTIN_POLICIES.get(name.lower())
+def _factory_for(name: str, key: str, kind: PolicyKind) -> PolicyFactory:
+    builtin = kind.builtins.get(name.lower())
     if builtin is not None:
         return builtin
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for entry_point in importlib.metadata.entry_points(group=kind.group):
         if entry_point.name == name:
             try:
                 loaded = entry_point.load()
@@ -222,20 +248,20 @@ def _factory_for(name: str, key: str) -> PolicyFactory:
                     f"{key}: policy {name!r} (entry point {entry_point.value!r}) failed to "
                     f"import: {exc!r}"
                 ) from exc
-            return _check_factory(loaded, name, key)
+            return _check_factory(loaded, name, key, kind)
     if ":" in name:
-        return _load(name, name, key)
-    raise ConfigError(_unknown_message(key, name))
+        return _load(name, name, key, kind)
+    raise ConfigError(_unknown_message(key, name, kind))
 
 
-def _unknown_message(key: str, name: object) -> str:
+def _unknown_message(key: str, name: object, kind: PolicyKind) -> str:
     return (
-        f"{key} must be one of {', '.join(known_policy_names())}, a 'package.module:Class' "
-        f"import path or an entry point in group {ENTRY_POINT_GROUP!r}; got {name!r}"
+        f"{key} must be one of {', '.join(known_policy_names(kind))}, a 'package.module:Class' "
+        f"import path or an entry point in group {kind.group!r}; got {name!r}"
     )
 
 
-def _load(path: str, name: str, key: str) -> PolicyFactory:
+def _load(path: str, name: str, key: str, kind: PolicyKind) -> PolicyFactory:
     module_name, _, attribute = path.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -243,23 +269,23 @@ def _load(path: str, name: str, key: str) -> PolicyFactory:
             obj = getattr(obj, part)
     except (ImportError, AttributeError, ValueError) as exc:
         raise ConfigError(f"{key}: cannot import policy {path!r}: {exc}") from exc
-    return _check_factory(obj, name, key)
+    return _check_factory(obj, name, key, kind)
 
 
-def _check_factory(obj: object, name: str, key: str) -> PolicyFactory:
-    if isinstance(obj, type) and issubclass(obj, EvictionPolicy):
+def _check_factory(obj: object, name: str, key: str, kind: PolicyKind) -> PolicyFactory:
+    if isinstance(obj, type) and issubclass(obj, kind.base):
         return obj
     raise ConfigError(
-        f"{key}: {name!r} names {obj!r}, which is not an EvictionPolicy subclass "
-        "(see docs/writing-a-policy.md)"
+        f"{key}: {name!r} names {obj!r}, which is not an {kind.base.__name__} subclass "
+        f"(see {kind.doc})"
     )
 
 
-def _check_options(choice: PolicyChoice, key: str) -> None:
+def _check_options(choice: PolicyChoice, key: str, kind: PolicyKind) -> None:
     """Build one tiny instance: unknown or bad options fail now, naming the key."""
     try:
         probe = choice.factory(1, **choice.options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{key}: policy {choice.label} rejected its options: {exc}") from exc
-    if not isinstance(probe, EvictionPolicy):
-        raise ConfigError(f"{key}: {choice.name!r} did not build an EvictionPolicy: {probe!r}")
+    if not isinstance(probe, kind.base):
+        raise ConfigError(f"{key}: {choice.name!r} did not build an {kind.base.__name__}")
