@@ -231,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
         "pkg.mod:Class or an entry point, with options as NAME(key=value,...)",
     )
     replay.add_argument(
+        "--cascade-admission",
+        metavar="NAME",
+        help="which stored blocks are cascaded to the secondary tiers (overrides the config): "
+        "all (default) or reuse (only blocks that showed reuse), or pkg.mod:Class",
+    )
+    replay.add_argument(
         "--tier",
         action="append",
         metavar="SPEC",
@@ -394,6 +400,8 @@ def _replay_config(
         extra["cpu_bytes_to_use"] = args.cpu_bytes
     if args.eviction_policy is not None:
         extra["eviction_policy"] = _policy_setting(args.eviction_policy, "--eviction-policy")
+    if args.cascade_admission is not None:
+        extra["cascade_admission"] = _policy_setting(args.cascade_admission, "--cascade-admission")
     if args.no_secondary:
         extra["secondary_tiers"] = []
     elif args.tier:
@@ -514,6 +522,7 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
         "cpu_bytes_to_use": extra.get("cpu_bytes_to_use"),
         "cpu_blocks": run.stats.primary.capacity_blocks,
         "eviction_policy": extra.get("eviction_policy", "lru"),
+        "cascade_admission": extra.get("cascade_admission", "all"),
         "secondary_tiers": _jsonable(tiers),
         "secondary_summary": [tier_summary(t) for t in tiers],
         "promotion_timeout_s": args.promotion_timeout,
