@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The project's shared trace sits next to the checkout (../shared/traces/).
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 
 
@@ -79,7 +80,7 @@ def main() -> None:
     if args.trace.is_file():
         workloads.append((args.trace.name, [str(args.trace)]))
     else:
-        print(f"(no trace at {args.trace}: synthetic workloads only)", file=sys.stderr)
+        print(f"(no trace at {args.trace}; pass --trace: synthetic only)", file=sys.stderr)
     workloads += [(f"synthetic seed {s}", ["--seed", s]) for s in args.seeds.split(",") if s]
     rows: list[dict[str, Any]] = []
     header = (

@@ -35,10 +35,12 @@ TestKVAwareMatchesReference = make_policy_test_case(
     KVAwarePolicy, capacity=5, key_space=20, reference=ReferenceKVAware
 )
 TestKVAwareOptionsMatchReference = make_policy_test_case(
-    lambda c: KVAwarePolicy(c, probation_ghosts=3.0, protected_ghosts=0.5),
+    lambda c: KVAwarePolicy(c, probation_ghosts=3.0, protected_ghosts=0.5, initial_protected=0.3),
     capacity=4,
     key_space=24,
-    reference=lambda c: ReferenceKVAware(c, probation_ghosts=3.0, protected_ghosts=0.5),
+    reference=lambda c: ReferenceKVAware(
+        c, probation_ghosts=3.0, protected_ghosts=0.5, initial_protected=0.3
+    ),
 )
 # The references themselves must satisfy the contract.
 TestReferenceARCContract = make_policy_test_case(ReferenceARC, capacity=4)
@@ -361,9 +363,10 @@ def test_kvaware_a_scan_of_one_off_blocks_cannot_flush_reused_ones() -> None:
 
 
 def test_kvaware_probation_ghost_hit_shrinks_the_protected_target() -> None:
-    policy: KVAwarePolicy[int] = KVAwarePolicy(4)
+    policy: KVAwarePolicy[int] = KVAwarePolicy(4, initial_protected=1.0)
     fill(policy, range(4))
     assert policy.protected_target == 4.0
+    assert KVAwarePolicy(10).protected_target == 9.0  # the default starts at 90%
     assert policy.evict(1, never_pinned) == [0]
     assert policy.sizes().probation_ghosts == 1
     policy.insert(0)  # evicted from probation too early
@@ -371,7 +374,7 @@ def test_kvaware_probation_ghost_hit_shrinks_the_protected_target() -> None:
 
 
 def test_kvaware_protected_ghost_hit_grows_the_target_and_evicts_protected_beyond_it() -> None:
-    policy: KVAwarePolicy[int] = KVAwarePolicy(4)
+    policy: KVAwarePolicy[int] = KVAwarePolicy(4, initial_protected=1.0)
     fill(policy, range(4))
     assert policy.evict(1, never_pinned) == [0]
     policy.insert(0)  # a probation ghost: protected, target 4 -> 3
@@ -398,8 +401,13 @@ def test_kvaware_ghost_lists_stay_bounded_and_remove_leaves_no_ghost() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"probation_ghosts": -1}, {"protected_ghosts": 65}, {"probation_ghosts": float("nan")}],
+    [
+        {"probation_ghosts": -1},
+        {"protected_ghosts": 65},
+        {"probation_ghosts": float("nan")},
+        {"initial_protected": 1.5},
+    ],
 )
 def test_kvaware_rejects_bad_options(options: dict[str, float]) -> None:
-    with pytest.raises(ValueError, match="ghosts must be a number"):
+    with pytest.raises(ValueError, match="must be"):
         KVAwarePolicy(4, **options)

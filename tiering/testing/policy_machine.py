@@ -170,7 +170,12 @@ class ReferenceKVAware(EvictionPolicy[K]):
     """
 
     def __init__(
-        self, capacity: int, *, probation_ghosts: float = 1.0, protected_ghosts: float = 1.0
+        self,
+        capacity: int,
+        *,
+        probation_ghosts: float = 1.0,
+        protected_ghosts: float = 1.0,
+        initial_protected: float = 0.9,
     ) -> None:
         super().__init__(capacity)
         self.probation: list[K] = []
@@ -179,7 +184,7 @@ class ReferenceKVAware(EvictionPolicy[K]):
         self.b2: list[K] = []
         self.max_b1 = int(probation_ghosts * capacity)
         self.max_b2 = int(protected_ghosts * capacity)
-        self.target = float(capacity)
+        self.target = float(initial_protected * capacity)
 
     def insert(self, key: K) -> None:
         c = self.capacity
