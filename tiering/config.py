@@ -69,13 +69,13 @@ class TieringConfig:
     cpu_bytes_to_use: int
     block_size: int | None = None
     eviction_policy: str = DEFAULT_EVICTION_POLICY
-    policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
     secondary_tiers: tuple[Mapping[str, Any], ...] = ()
     store_threshold: int = 0
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     failed_promotion_backoff_s: float = DEFAULT_FAILED_PROMOTION_BACKOFF_S
     backfill_earlier_tiers: bool = True
     cascade_admission: PolicyChoice | None = None
+    policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
 
     def __post_init__(self) -> None:
         given: object = self.policy  # None unless a resolved choice was passed

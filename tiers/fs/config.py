@@ -123,12 +123,12 @@ class FsTierConfig:
     durability: Durability = "periodic"
     sync_interval_s: float = 1.0
     eviction_policy: str = "lru"  # the policy's label; ``policy`` is what is built
-    policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
     slab_bytes: int = DEFAULT_SLAB_BYTES
     queue_depth: int = 32
     max_io_bytes: int = DEFAULT_MAX_IO_BYTES
     on_layout_mismatch: Literal["reset", "error"] = "reset"
     preallocate: bool = True
+    policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
 
     def __post_init__(self) -> None:
         given: object = self.policy  # None unless a resolved choice was passed
