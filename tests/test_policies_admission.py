@@ -3,6 +3,8 @@ and the offline stack simulation that reports what each writes below the primary
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.manager_helpers import key, load_and_verify, make_facade, make_primary, settle, store
+from tiering.cli import main
 from tiering.config import TieringConfig
 from tiering.errors import ConfigError
 from tiering.keys import NO_CONTEXT
@@ -135,3 +138,29 @@ def test_stack_simulation_reaches_the_ceiling_and_reuse_writes_less() -> None:
         (40, "reuse"),
     ]
     assert points[0].to_json(1024)["bytes_written"] == points[0].result.blocks_written * 1024
+
+
+def test_sweep_command_compares_admission_policies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["sweep", "--requests", "60", "--capacities", "20", "--out", str(tmp_path / "s")]
+    args += ["--no-progress", "--json", "--policies", "lru"]
+    assert main([*args, "--admission", "all,reuse(history=2)"]) == 0
+    rows = json.loads(capsys.readouterr().out)["admission"]
+    assert [(r["policy"], r["admission"]) for r in rows] == [
+        ("lru", "all"),
+        ("lru", "reuse(history=2)"),
+    ]
+    assert rows[1]["blocks_written"] < rows[0]["blocks_written"]
+    assert main([*args, "--admission", "all,bogus"]) != 0
+    assert "--admission must be one of all, reuse" in capsys.readouterr().err
+
+
+def test_replay_command_takes_a_cascade_admission(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "r.json"
+    args = ["replay", "--requests", "40", "--no-progress", "--output", str(report)]
+    assert main([*args, "--cascade-admission", "reuse", "--eviction-policy", "kvaware"]) == 0
+    setup = json.loads(report.read_text())["setup"]
+    assert (setup["cascade_admission"], setup["eviction_policy"]) == ("reuse", "kvaware")

@@ -578,19 +578,31 @@ def _parse_capacities(text: str, block_bytes: int) -> list[int]:
     return capacities
 
 
-def _admission_sweep(
-    args: argparse.Namespace, requests: Any, result: Any, policies: Any, stop: threading.Event
-) -> list[Any]:
+def _admission_choices(args: argparse.Namespace) -> list[Any]:
+    """``--admission``, resolved before any simulation runs (empty without the option)."""
     from tiering.policies import resolve_admission, split_policy_list
-    from tiering.replay import sweep as sweeping
 
+    if not args.admission:
+        return []
     try:
-        admissions = [
+        return [
             resolve_admission(_policy_setting(text, "--admission"), key="--admission")
             for text in split_policy_list(args.admission)
         ]
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _admission_sweep(
+    args: argparse.Namespace,
+    requests: Any,
+    result: Any,
+    policies: Any,
+    admissions: list[Any],
+    stop: threading.Event,
+) -> list[Any]:
+    from tiering.replay import sweep as sweeping
+
     return sweeping.run_admission_sweep(
         requests,
         [point.capacity_blocks for point in result.points],
@@ -632,6 +644,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     labels = [choice.label for choice in policies]
     if len(set(labels)) != len(labels):
         raise UsageError(f"--policies: a policy is listed twice: {', '.join(labels)}")
+    admissions = _admission_choices(args)
     outputs = {ext: Path(f"{args.out}.{ext}") for ext in ("png", "csv", "json")}
     for path in outputs.values():
         check_writable(path, "--out")
@@ -671,8 +684,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             should_stop=stop.is_set,
         )
     admission: list[Any] = []
-    if args.admission and result.points and not stop.is_set():
-        admission = _admission_sweep(args, workload.requests, result, policies, stop)
+    if admissions and result.points and not stop.is_set():
+        admission = _admission_sweep(args, workload.requests, result, policies, admissions, stop)
     if result.points:
         sweeping.write_csv(result, outputs["csv"])
         sweeping.write_json(result, outputs["json"], admission)
