@@ -110,7 +110,7 @@ def test_bad_block_size(value: object) -> None:
 
 @pytest.mark.parametrize("value", ["fifo", "", 3, ["lru"], "lru2"])
 def test_bad_eviction_policy(value: object) -> None:
-    with pytest.raises(ConfigError, match=r"eviction_policy must be 'lru' or 'arc'"):
+    with pytest.raises(ConfigError, match=r"eviction_policy must be one of lru, arc, kvaware"):
         parse(eviction_policy=value)
 
 

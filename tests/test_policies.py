@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiering.errors import ConfigError
-from tiering.policies import ARCPolicy, LRUPolicy, make_policy
+from tiering.policies import ARCPolicy, KVAwarePolicy, LRUPolicy, make_policy
 from tiering.policies.base import EvictionPolicy
 from tiering.testing import (
     ReferenceARC,
+    ReferenceKVAware,
     ReferenceLRU,
     make_policy_state_machine,
     make_policy_test_case,
@@ -26,8 +29,22 @@ TestLRUMatchesReference = make_policy_test_case(LRUPolicy, capacity=5, reference
 TestARCMatchesReference = make_policy_test_case(
     ARCPolicy, capacity=5, key_space=20, reference=ReferenceARC
 )
+TestKVAwareContract = make_policy_state_machine(KVAwarePolicy, capacity=6).TestCase
+TestKVAwareCapacityOne = make_policy_test_case(KVAwarePolicy, capacity=1)
+TestKVAwareMatchesReference = make_policy_test_case(
+    KVAwarePolicy, capacity=5, key_space=20, reference=ReferenceKVAware
+)
+TestKVAwareOptionsMatchReference = make_policy_test_case(
+    lambda c: KVAwarePolicy(c, probation_ghosts=3.0, protected_ghosts=0.5, initial_protected=0.3),
+    capacity=4,
+    key_space=24,
+    reference=lambda c: ReferenceKVAware(
+        c, probation_ghosts=3.0, protected_ghosts=0.5, initial_protected=0.3
+    ),
+)
 # The references themselves must satisfy the contract.
 TestReferenceARCContract = make_policy_test_case(ReferenceARC, capacity=4)
+TestReferenceKVAwareContract = make_policy_test_case(ReferenceKVAware, capacity=4)
 
 
 # Checking the checker needs fewer examples (and no shrinking report noise).
@@ -38,7 +55,7 @@ def never_pinned(_key: object) -> bool:
     return True
 
 
-def fill(policy: EvictionPolicy[int], keys: range) -> None:
+def fill(policy: EvictionPolicy[int], keys: Iterable[int]) -> None:
     for key in keys:
         policy.insert(key)
 
@@ -100,6 +117,7 @@ def test_state_machine_rejects_bad_parameters() -> None:
 def test_make_policy_by_name() -> None:
     assert isinstance(make_policy("lru", 3), LRUPolicy)
     assert isinstance(make_policy("arc", 3), ARCPolicy)
+    assert isinstance(make_policy("KVAware", 3), KVAwarePolicy)
     with pytest.raises(ConfigError, match="'lfu'"):
         make_policy("lfu", 3)
     for bad in (0, -1, 2.5, True):
@@ -107,7 +125,7 @@ def test_make_policy_by_name() -> None:
             make_policy("lru", bad)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("cls", [LRUPolicy, ARCPolicy])
+@pytest.mark.parametrize("cls", [LRUPolicy, ARCPolicy, KVAwarePolicy])
 def test_insert_rejections_change_nothing(cls: type[EvictionPolicy[int]]) -> None:
     policy = cls(2)
     policy.insert(1)
@@ -123,7 +141,7 @@ def test_insert_rejections_change_nothing(cls: type[EvictionPolicy[int]]) -> Non
         cls(0)
 
 
-@pytest.mark.parametrize("cls", [LRUPolicy, ARCPolicy])
+@pytest.mark.parametrize("cls", [LRUPolicy, ARCPolicy, KVAwarePolicy])
 def test_evict_skips_pinned_and_returns_fewer_only_when_needed(
     cls: type[EvictionPolicy[int]],
 ) -> None:
@@ -316,3 +334,80 @@ def test_arc_invariants_hold_for_any_workload(ops: list[tuple[str, int]]) -> Non
         else:
             arc.remove(key)
         arc.check_invariants()
+
+
+# -- KVAwarePolicy ----------------------------------------------------------------------------
+
+
+def test_kvaware_new_keys_go_first_and_a_second_use_protects() -> None:
+    policy: KVAwarePolicy[int] = KVAwarePolicy(4)
+    fill(policy, [3, 2, 1, 0])  # a request's blocks, last first: 0 is the prefix head
+    policy.access(2)  # reused: protected
+    assert policy.is_protected(2) and not policy.is_protected(3)
+    # Probation goes first, oldest first: the request's tail (3), then 1, then 0.
+    assert policy.evict(3, never_pinned) == [3, 1, 0]
+    assert list(policy) == [2]
+
+
+def test_kvaware_a_scan_of_one_off_blocks_cannot_flush_reused_ones() -> None:
+    policy: KVAwarePolicy[int] = KVAwarePolicy(10)
+    fill(policy, range(5))
+    for key in range(5):
+        policy.access(key)  # the shared head, reused
+    for key in range(100, 200):  # one-off prefills, each making room for itself
+        if len(policy) == policy.capacity:
+            policy.evict(1, never_pinned)
+        policy.insert(key)
+    assert set(range(5)) <= set(policy)
+    policy.check_invariants()
+
+
+def test_kvaware_probation_ghost_hit_shrinks_the_protected_target() -> None:
+    policy: KVAwarePolicy[int] = KVAwarePolicy(4, initial_protected=1.0)
+    fill(policy, range(4))
+    assert policy.protected_target == 4.0
+    assert KVAwarePolicy(10).protected_target == 9.0  # the default starts at 90%
+    assert policy.evict(1, never_pinned) == [0]
+    assert policy.sizes().probation_ghosts == 1
+    policy.insert(0)  # evicted from probation too early
+    assert policy.is_protected(0) and policy.protected_target == 3.0
+
+
+def test_kvaware_protected_ghost_hit_grows_the_target_and_evicts_protected_beyond_it() -> None:
+    policy: KVAwarePolicy[int] = KVAwarePolicy(4, initial_protected=1.0)
+    fill(policy, range(4))
+    assert policy.evict(1, never_pinned) == [0]
+    policy.insert(0)  # a probation ghost: protected, target 4 -> 3
+    for key in (1, 2, 3):
+        policy.access(key)
+    assert policy.sizes().protected == 4 and policy.protected_target == 3.0
+    assert policy.evict(1, never_pinned) == [0]  # protected exceeds its target
+    assert policy.sizes().protected_ghosts == 1
+    policy.insert(0)  # wanted again after leaving protection: target 3 -> 4
+    assert policy.is_protected(0) and policy.protected_target == 4.0
+
+
+def test_kvaware_ghost_lists_stay_bounded_and_remove_leaves_no_ghost() -> None:
+    policy: KVAwarePolicy[int] = KVAwarePolicy(3, probation_ghosts=2.0, protected_ghosts=0.0)
+    for key in range(50):
+        if len(policy) == 3:
+            policy.evict(1, never_pinned)
+        policy.insert(key)
+        policy.check_invariants()
+    assert policy.sizes().probation_ghosts == 6 and policy.sizes().protected_ghosts == 0
+    policy.remove(49)
+    assert 49 not in policy and policy.sizes().probation_ghosts == 6
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"probation_ghosts": -1},
+        {"protected_ghosts": 65},
+        {"probation_ghosts": float("nan")},
+        {"initial_protected": 1.5},
+    ],
+)
+def test_kvaware_rejects_bad_options(options: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        KVAwarePolicy(4, **options)

@@ -75,7 +75,7 @@ def test_geometry_and_views() -> None:
     [
         ((0, BLOCK), {}, "num_blocks must be >= 1"),
         ((4, 1000), {}, "multiple of 4096"),
-        ((4, BLOCK, "fifo"), {}, "eviction_policy must be one of lru, arc; got 'fifo'"),
+        ((4, BLOCK, "fifo"), {}, "eviction_policy must be one of lru, arc, kvaware, .*got 'fifo'"),
         ((4, 0), {"require_alignment": False}, "block_bytes must be positive"),
     ],
 )

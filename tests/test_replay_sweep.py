@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+from tiering.policies import POLICY_NAMES
 from tiering.replay.sweep import (
     BELADY,
     default_capacities,
@@ -31,7 +32,7 @@ def test_sweep_writes_consistent_csv_json_and_png(tmp_path: Path) -> None:
         trace_name="synthetic",
         on_step=lambda name, capacity: steps.append((name, capacity)),
     )
-    assert len(steps) == len(capacities) * 3
+    assert len(steps) == len(capacities) * (len(POLICY_NAMES) + 1)
     assert [p.capacity_blocks for p in result.points] == capacities
     for point in result.points:
         optimum = point.hit_rates[BELADY]
@@ -50,7 +51,7 @@ def test_sweep_writes_consistent_csv_json_and_png(tmp_path: Path) -> None:
         result.points[0].hit_rates[BELADY].token_hit_rate, 6
     )
     data = json.loads((tmp_path / "s.json").read_text())
-    assert data["policies"] == ["lru", "arc", "belady"]
+    assert data["policies"] == ["lru", "arc", "kvaware", "belady"]
     assert data["points"][-1]["capacity_bytes"] == footprint * 4096
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -62,7 +63,7 @@ def test_a_stopped_sweep_keeps_the_finished_capacities() -> None:
     def stop_after_first_capacity() -> bool:
         nonlocal calls
         calls += 1
-        return calls > 3  # lru, arc, belady of the first capacity
+        return calls > len(POLICY_NAMES) + 1  # every policy and belady at the first capacity
 
     result = run_sweep(requests, [5, 10, 20], should_stop=stop_after_first_capacity)
     assert [p.capacity_blocks for p in result.points] == [5]

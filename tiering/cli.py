@@ -227,7 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--eviction-policy",
         metavar="NAME",
-        help="primary tier eviction policy: lru or arc (overrides the config)",
+        help="primary tier eviction policy (overrides the config): lru, arc, kvaware, "
+        "pkg.mod:Class or an entry point, with options as NAME(key=value,...)",
+    )
+    replay.add_argument(
+        "--cascade-admission",
+        metavar="NAME",
+        help="which stored blocks are cascaded to the secondary tiers (overrides the config): "
+        "all (default) or reuse (only blocks that showed reuse), or pkg.mod:Class",
     )
     replay.add_argument(
         "--tier",
@@ -287,7 +294,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         default=None,
         metavar="LIST",
-        help="comma-separated eviction policies (default: all: lru,arc)",
+        help="comma-separated eviction policies: built-in names, pkg.mod:Class paths or entry "
+        "points, with options as NAME(key=value,...) (default: every built-in policy)",
+    )
+    sweep.add_argument(
+        "--admission",
+        default=None,
+        metavar="LIST",
+        help="also compare cascade admission policies (e.g. all,reuse): each --policies "
+        "primary over an LRU secondary tier, reporting hit rate and bytes written below",
+    )
+    sweep.add_argument(
+        "--secondary-factor",
+        type=_positive_float,
+        default=4.0,
+        metavar="F",
+        help="with --admission: the secondary tier's capacity as a multiple of the primary's "
+        "(default 4)",
     )
     sweep.add_argument(
         "--out",
@@ -376,7 +399,9 @@ def _replay_config(
     if args.cpu_bytes is not None:
         extra["cpu_bytes_to_use"] = args.cpu_bytes
     if args.eviction_policy is not None:
-        extra["eviction_policy"] = args.eviction_policy
+        extra["eviction_policy"] = _policy_setting(args.eviction_policy, "--eviction-policy")
+    if args.cascade_admission is not None:
+        extra["cascade_admission"] = _policy_setting(args.cascade_admission, "--cascade-admission")
     if args.no_secondary:
         extra["secondary_tiers"] = []
     elif args.tier:
@@ -497,6 +522,7 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
         "cpu_bytes_to_use": extra.get("cpu_bytes_to_use"),
         "cpu_blocks": run.stats.primary.capacity_blocks,
         "eviction_policy": extra.get("eviction_policy", "lru"),
+        "cascade_admission": extra.get("cascade_admission", "all"),
         "secondary_tiers": _jsonable(tiers),
         "secondary_summary": [tier_summary(t) for t in tiers],
         "promotion_timeout_s": args.promotion_timeout,
@@ -552,20 +578,73 @@ def _parse_capacities(text: str, block_bytes: int) -> list[int]:
     return capacities
 
 
+def _admission_choices(args: argparse.Namespace) -> list[Any]:
+    """``--admission``, resolved before any simulation runs (empty without the option)."""
+    from tiering.policies import resolve_admission, split_policy_list
+
+    if not args.admission:
+        return []
+    try:
+        return [
+            resolve_admission(_policy_setting(text, "--admission"), key="--admission")
+            for text in split_policy_list(args.admission)
+        ]
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _admission_sweep(
+    args: argparse.Namespace,
+    requests: Any,
+    result: Any,
+    policies: Any,
+    admissions: list[Any],
+    stop: threading.Event,
+) -> list[Any]:
+    from tiering.replay import sweep as sweeping
+
+    return sweeping.run_admission_sweep(
+        requests,
+        [point.capacity_blocks for point in result.points],
+        policies=policies,
+        admissions=admissions,
+        secondary_factor=args.secondary_factor,
+        block_tokens=args.block_tokens,
+        store_chunk_blocks=args.chunk_blocks,
+        should_stop=stop.is_set,
+    )
+
+
+def _policy_setting(text: str, option: str) -> Any:
+    """A policy given on the command line: ``NAME`` or ``NAME(key=value,...)``."""
+    from tiering.policies import parse_policy_text
+
+    if "(" not in text:
+        return text.strip()
+    try:
+        return parse_policy_text(text, key=option)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from tiering.policies import POLICY_NAMES
+    from tiering.policies import POLICY_NAMES, PolicyChoice, resolve_policy, split_policy_list
     from tiering.replay import sweep as sweeping
     from tiering.replay.trace import trace_footprint
 
-    policies = list(POLICY_NAMES)
-    if args.policies:
-        policies = [p.strip().lower() for p in args.policies.split(",") if p.strip()]
-        unknown = [p for p in policies if p not in POLICY_NAMES]
-        if unknown or not policies:
-            raise UsageError(
-                f"--policies: unknown eviction policy {unknown[0] if unknown else ''!r}; "
-                f"known: {', '.join(POLICY_NAMES)}"
-            )
+    texts = split_policy_list(args.policies) if args.policies else list(POLICY_NAMES)
+    if not texts:
+        raise UsageError("--policies: give at least one eviction policy")
+    policies: list[PolicyChoice] = []
+    for text in texts:
+        try:
+            policies.append(resolve_policy(_policy_setting(text, "--policies"), key="--policies"))
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
+    labels = [choice.label for choice in policies]
+    if len(set(labels)) != len(labels):
+        raise UsageError(f"--policies: a policy is listed twice: {', '.join(labels)}")
+    admissions = _admission_choices(args)
     outputs = {ext: Path(f"{args.out}.{ext}") for ext in ("png", "csv", "json")}
     for path in outputs.values():
         check_writable(path, "--out")
@@ -604,14 +683,19 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             on_step=on_step,
             should_stop=stop.is_set,
         )
+    admission: list[Any] = []
+    if admissions and result.points and not stop.is_set():
+        admission = _admission_sweep(args, workload.requests, result, policies, admissions, stop)
     if result.points:
         sweeping.write_csv(result, outputs["csv"])
-        sweeping.write_json(result, outputs["json"])
+        sweeping.write_json(result, outputs["json"], admission)
         sweeping.plot_png(result, outputs["png"])
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(json.dumps(sweeping.sweep_json(result, admission), indent=2))
     else:
         sweeping.render_table(result, out)
+        if admission:
+            sweeping.render_admission_table(admission, footprint, args.block_bytes, out)
         if result.points:
             out.print("Wrote " + ", ".join(str(p) for p in outputs.values()))
         else:

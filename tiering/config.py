@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tiering.errors import ConfigError
-from tiering.policies import POLICY_NAMES
+from tiering.policies import PolicyChoice, resolve_admission, resolve_policy
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ KNOWN_KEYS = (
     "cpu_bytes_to_use",
     "block_size",
     "eviction_policy",
+    "cache_policy_module_path",
+    "cascade_admission",
     "secondary_tiers",
     "store_threshold",
     "shutdown_timeout_s",
@@ -57,7 +59,11 @@ class TieringConfig:
 
     ``block_size`` is the number of tokens per offloaded block (None: the GPU
     block size). ``secondary_tiers`` are read-only copies of the user's tier
-    dicts, each with a non-empty string ``"type"``.
+    dicts, each with a non-empty string ``"type"``. ``eviction_policy`` is the
+    policy's label (``"lru"``, ``"kvaware(probation_ghosts=2)"``, ``"pkg.mod:Class"``);
+    ``policy`` is the resolved choice the primary tier builds (resolved from
+    ``eviction_policy`` when not given). ``cascade_admission`` chooses which
+    stored blocks are cascaded to the secondary tiers (None: all of them).
     """
 
     cpu_bytes_to_use: int
@@ -68,6 +74,13 @@ class TieringConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     failed_promotion_backoff_s: float = DEFAULT_FAILED_PROMOTION_BACKOFF_S
     backfill_earlier_tiers: bool = True
+    cascade_admission: PolicyChoice | None = None
+    policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
+
+    def __post_init__(self) -> None:
+        given: object = self.policy  # None unless a resolved choice was passed
+        if given is None:
+            object.__setattr__(self, "policy", resolve_policy(self.eviction_policy))
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any]) -> TieringConfig:
@@ -83,12 +96,14 @@ class TieringConfig:
                 "cpu_bytes_to_use is required: the bytes of host memory for the CPU primary "
                 "tier, e.g. 10737418240 for 10 GiB"
             )
+        policy = _eviction_policy(extra_config)
         return cls(
             cpu_bytes_to_use=_positive_int(
                 extra_config, "cpu_bytes_to_use", "a positive integer number of bytes"
             ),
             block_size=_optional_block_size(extra_config),
-            eviction_policy=_eviction_policy(extra_config),
+            eviction_policy=policy.label,
+            policy=policy,
             secondary_tiers=_secondary_tiers(extra_config),
             store_threshold=_store_threshold(extra_config),
             shutdown_timeout_s=_seconds(
@@ -101,6 +116,7 @@ class TieringConfig:
                 positive=False,
             ),
             backfill_earlier_tiers=_flag(extra_config, "backfill_earlier_tiers", True),
+            cascade_admission=_cascade_admission(extra_config),
         )
 
 
@@ -215,12 +231,20 @@ def _optional_block_size(extra: Mapping[str, Any]) -> int | None:
     )
 
 
-def _eviction_policy(extra: Mapping[str, Any]) -> str:
+def _eviction_policy(extra: Mapping[str, Any]) -> PolicyChoice:
+    """A built-in name, ``pkg.mod:Class``, an entry point, or vLLM's class + module spelling."""
     value = _get(extra, "eviction_policy", DEFAULT_EVICTION_POLICY)
-    accepted = " or ".join(repr(name) for name in POLICY_NAMES)
-    if not isinstance(value, str) or value.strip().lower() not in POLICY_NAMES:
-        raise ConfigError(f"eviction_policy must be {accepted}, got {value!r}")
-    return value.strip().lower()
+    module_path = _get(extra, "cache_policy_module_path", None)
+    return resolve_policy(value, module_path=module_path)
+
+
+def _cascade_admission(extra: Mapping[str, Any]) -> PolicyChoice | None:
+    """None (cascade everything, no per-block work) unless a policy other than "all" is named."""
+    value = _get(extra, "cascade_admission", None)
+    if value is None:
+        return None
+    choice = resolve_admission(value)
+    return None if choice.label == "all" else choice
 
 
 def _secondary_tiers(extra: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:

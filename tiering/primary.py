@@ -18,14 +18,14 @@ anything changes.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from typing import cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiering.errors import ConfigError, ContractError, TierClosedError
 from tiering.host_buffer import HostBuffer, validate_geometry
 from tiering.keys import OffloadKey, ReqContext
-from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies import EvictionPolicy, PolicyChoice, make_policy
 from tiering.specs import CPULoadStoreSpec
 
 MEDIUM = "CPU"
@@ -45,7 +45,9 @@ def describe_keys(keys: Sequence[object]) -> str:
 class CPUPrimaryTier(OffloadingManager):
     """The seed's CPU ``OffloadingManager``: ``num_blocks`` rows of ``block_bytes`` in host memory.
 
-    ``eviction_policy`` is ``"lru"`` or ``"arc"``. The buffer is created
+    ``eviction_policy`` is any setting :func:`~tiering.policies.resolve_policy`
+    accepts (``"lru"``, ``"arc"``, ``"kvaware"``, ``"pkg.mod:Class"``, a mapping
+    with options) or a resolved :class:`~tiering.policies.PolicyChoice`. The buffer is created
     (anonymous, or the shared-memory object ``shared_name`` that a worker
     process attaches to) unless an existing :class:`HostBuffer` of the same
     geometry is passed as ``buffer``; only a buffer the tier created is closed
@@ -61,7 +63,7 @@ class CPUPrimaryTier(OffloadingManager):
         self,
         num_blocks: int,
         block_bytes: int,
-        eviction_policy: str = "lru",
+        eviction_policy: str | Mapping[str, Any] | PolicyChoice = "lru",
         *,
         enable_events: bool = True,
         buffer: HostBuffer | None = None,

@@ -154,7 +154,7 @@ class TieringOffloadingSpec:
         primary = CPUPrimaryTier(
             self.num_blocks,
             self.block_bytes,
-            config.eviction_policy,
+            config.policy,
             enable_events=self.enable_events,
             shared_name=self._shared_name,
             require_alignment=self._require_alignment,
@@ -177,6 +177,11 @@ class TieringOffloadingSpec:
                 shutdown_timeout_s=config.shutdown_timeout_s,
                 failed_promotion_backoff_s=config.failed_promotion_backoff_s,
                 backfill_earlier_tiers=config.backfill_earlier_tiers,
+                cascade_admission=(
+                    None
+                    if config.cascade_admission is None
+                    else config.cascade_admission.build(self.num_blocks)
+                ),
                 event_block_size=self.block_size,
                 name=self._name,
                 metrics_registry=self._metrics_registry,

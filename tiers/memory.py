@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -31,7 +31,7 @@ import numpy as np
 from tiering.copy.bulk import address_of, copy_regions
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
-from tiering.policies import POLICY_NAMES, EvictionPolicy, make_policy
+from tiering.policies import EvictionPolicy, PolicyChoice, resolve_policy
 from tiering.tier import AsyncTier, TierContext
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class MemoryTier(AsyncTier):
         *,
         capacity_blocks: int | None = None,
         capacity_bytes: int | None = None,
-        eviction_policy: str = "lru",
+        eviction_policy: str | Mapping[str, Any] | PolicyChoice = "lru",
     ) -> None:
         if capacity_blocks is not None and capacity_bytes is not None:
             raise ConfigError("give capacity_blocks or capacity_bytes, not both")
@@ -70,14 +70,11 @@ class MemoryTier(AsyncTier):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
             if value is not None and value <= 0:
                 raise ConfigError(f"{name} must be positive, got {value}")
-        if eviction_policy not in POLICY_NAMES:
-            raise ConfigError(
-                f"eviction_policy must be one of {', '.join(POLICY_NAMES)}; got {eviction_policy!r}"
-            )
+        policy = resolve_policy(eviction_policy)  # ConfigError now, naming the key
         #: Most blocks held at once (None: unbounded). Reported in the runtime's stats.
         self.capacity_blocks: int | None = capacity_blocks
         self._capacity_bytes = capacity_bytes
-        self._policy_name = eviction_policy
+        self._policy_choice: PolicyChoice = policy
         self._policy: EvictionPolicy[Hashable] | None = None
         self._store: _HeapStore | _ArenaStore = _HeapStore()
         self._block_bytes = 0
@@ -100,7 +97,7 @@ class MemoryTier(AsyncTier):
         self._block_bytes = context.block_bytes
         self._store = _HeapStore(context.block_bytes)
         if self.capacity_blocks is not None:
-            self._policy = make_policy(self._policy_name, self.capacity_blocks)
+            self._policy = self._policy_choice.build(self.capacity_blocks)
             self._store = _ArenaStore(self.capacity_blocks, context.block_bytes)
 
     @property

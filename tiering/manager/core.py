@@ -32,6 +32,7 @@ from tiering.manager.state import (
     tier_names,
 )
 from tiering.metrics import MetricsExport
+from tiering.policies.admission import AdmissionPolicy
 from tiering.specs import LoadStoreSpec
 from tiering.stats import TierCounters
 
@@ -55,7 +56,10 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
     ``max_promotion_batch`` (most blocks per promotion job); ``name`` (the
     ``manager`` label of its metrics);
     ``metrics_registry`` (a ``prometheus_client`` registry, None for the
-    default one, False for none); ``clock`` (seconds, for back-off and ages).
+    default one, False for none); ``clock`` (seconds, for back-off and ages);
+    ``cascade_admission`` (a :class:`~tiering.policies.admission.AdmissionPolicy`
+    choosing which stored blocks are cascaded, and which blocks a request uses
+    are cascaded late; None cascades every stored block).
 
     Not thread-safe: call every method from the scheduler thread.
     """
@@ -74,6 +78,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         name: str = "tiering",
         metrics_registry: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        cascade_admission: AdmissionPolicy[OffloadKey] | None = None,
     ) -> None:
         tiers = tuple(secondary_tiers)
         for position, tier in enumerate(tiers):
@@ -95,6 +100,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
 
         self._primary = primary
         self._tiers = tiers
+        self._admission = cascade_admission
         self._enable_events = enable_events
         self._shutdown_timeout_s = float(shutdown_timeout_s)
         self._backoff_s = float(failed_promotion_backoff_s)
@@ -275,6 +281,12 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         """Mark blocks recently used in the primary tier and in every secondary tier."""
         self._check_open()
         self._primary.touch(keys, req_context)
+        if self._admission is not None and self._tiers:
+            # Blocks that earned a place below the primary tier by this use.
+            ready = self._primary.is_ready
+            late = self._admission.on_use([key for key in keys if ready(key)])
+            if late:
+                self._cascade(tuple(late), range(len(self._tiers)), req_context)
         for position, tier in enumerate(self._tiers):
             try:
                 tier.touch(keys, req_context)
@@ -324,7 +336,9 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
             return
         self._primary_counters.cascades += len(keys)
         if keys and self._tiers:
-            self._cascade(tuple(keys), range(len(self._tiers)), NO_CONTEXT)
+            admitted = keys if self._admission is None else self._admission.admit(keys)
+            if admitted:
+                self._cascade(tuple(admitted), range(len(self._tiers)), NO_CONTEXT)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Stored/removed events of the primary tier and of every secondary tier.

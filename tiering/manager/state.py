@@ -22,6 +22,7 @@ from tiering.jobs import JobId, SecondaryTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
 from tiering.manager.failures import FailureLog
 from tiering.metrics import MetricsExport
+from tiering.policies.admission import AdmissionPolicy
 from tiering.specs import BlockIds, BlockIDsLoadStoreSpec, LoadStoreSpec
 from tiering.stats import ManagerStats, TierCounters
 
@@ -120,6 +121,7 @@ class ManagerState:
     # the scheduler thread.
     _primary: PrimaryTier
     _tiers: tuple[SecondaryTierManager, ...]
+    _admission: AdmissionPolicy[OffloadKey] | None  # which stored blocks are cascaded
     _enable_events: bool
     _shutdown_timeout_s: float
     _backoff_s: float  # how long a failed promotion's keys answer "miss"

@@ -1,30 +1,56 @@
-"""Eviction policies (pure synchronous code) and their registry by name."""
+"""Eviction policies (pure synchronous code) and the one resolver that names them.
+
+Every place that chooses a policy (the primary tier, the fs and memory tiers,
+``tiering replay`` and ``tiering sweep``) goes through
+:func:`~tiering.policies.registry.resolve_policy`: a built-in name, an import
+path ``"pkg.mod:Class"``, an entry point in group ``kv_tiering.policies``, or
+vLLM's ``eviction_policy`` + ``cache_policy_module_path`` spelling, with options.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
-from tiering.errors import ConfigError
+from tiering.policies.admission import (
+    ADMISSION_ENTRY_POINT_GROUP,
+    ADMISSION_NAMES,
+    AdmissionPolicy,
+    AdmitAll,
+    ReuseAdmission,
+    resolve_admission,
+)
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
+from tiering.policies.kvaware import KVAwarePolicy
 from tiering.policies.lru import LRUPolicy
+from tiering.policies.registry import (
+    BUILTIN_POLICIES,
+    ENTRY_POINT_GROUP,
+    POLICY_NAMES,
+    PolicyChoice,
+    known_policy_names,
+    make_policy,
+    parse_policy_text,
+    resolve_policy,
+    split_policy_list,
+)
 
-POLICY_NAMES = ("lru", "arc")
-
-
-def make_policy(name: str, capacity: int) -> EvictionPolicy[Hashable]:
-    """Build the eviction policy called ``name`` (``"lru"`` or ``"arc"``) for ``capacity`` keys.
-
-    Raises :class:`~tiering.errors.ConfigError` for an unknown name or a
-    capacity that is not a positive int.
-    """
-    if name not in POLICY_NAMES:
-        raise ConfigError(f"eviction_policy must be one of {', '.join(POLICY_NAMES)}; got {name!r}")
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-        raise ConfigError(f"eviction policy capacity must be a positive int, got {capacity!r}")
-    if name == "arc":
-        return ARCPolicy(capacity)
-    return LRUPolicy(capacity)
-
-
-__all__ = ["POLICY_NAMES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "make_policy"]
+__all__ = [
+    "ADMISSION_ENTRY_POINT_GROUP",
+    "ADMISSION_NAMES",
+    "AdmissionPolicy",
+    "AdmitAll",
+    "ReuseAdmission",
+    "resolve_admission",
+    "BUILTIN_POLICIES",
+    "ENTRY_POINT_GROUP",
+    "POLICY_NAMES",
+    "ARCPolicy",
+    "EvictionPolicy",
+    "KVAwarePolicy",
+    "LRUPolicy",
+    "PolicyChoice",
+    "known_policy_names",
+    "make_policy",
+    "parse_policy_text",
+    "resolve_policy",
+    "split_policy_list",
+]

@@ -21,7 +21,14 @@ import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies import (
+    AdmissionPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    PolicyChoice,
+    make_policy,
+    resolve_admission,
+)
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
 
 #: Blocks offloaded per store call: one prefill chunk of vLLM's default 8192-token
@@ -81,11 +88,13 @@ def unlimited_hit_rate(
 def simulate_policy(
     requests: Sequence[Request],
     capacity_blocks: int,
-    policy_name: str,
+    policy_name: str | PolicyChoice,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
 ) -> HitRate:
-    """Prefix hits of one cache of ``capacity_blocks`` run by the named eviction policy.
+    """Prefix hits of one cache of ``capacity_blocks`` run by an eviction policy.
+
+    ``policy_name`` is any setting :func:`~tiering.policies.resolve_policy` accepts.
 
     Each request drives the policy the way vLLM's connector drives the CPU primary
     tier (:class:`~tiering.primary.CPUPrimaryTier`): the leading cached blocks hit;
@@ -126,6 +135,88 @@ def _store_chunk(policy: EvictionPolicy[Hashable], capacity: int, ids: Sequence[
         policy.evict(shortfall, lambda key: key not in chunk)
     for hash_id in reversed(missing):
         policy.insert(hash_id)
+
+
+@dataclass(frozen=True, slots=True)
+class StackHitRate:
+    """Prefix hits of a primary cache over a secondary one, and what was written below."""
+
+    hits: HitRate
+    primary_hit_blocks: int  # blocks served by the primary cache
+    secondary_hit_blocks: int  # blocks served by the secondary cache (promoted)
+    blocks_written: int  # blocks cascaded into the secondary cache
+
+    def bytes_written_per_hit_token(self, block_bytes: int) -> float:
+        """Bytes written to the secondary tier per token served from cache (0 without hits)."""
+        hit_tokens = self.hits.hit_tokens
+        return self.blocks_written * block_bytes / hit_tokens if hit_tokens else 0.0
+
+
+def simulate_stack(
+    requests: Sequence[Request],
+    primary_blocks: int,
+    secondary_blocks: int,
+    policy: str | PolicyChoice = "lru",
+    admission: str | PolicyChoice = "all",
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
+) -> StackHitRate:
+    """A primary cache (``policy``) over an LRU secondary cache, with cascade ``admission``.
+
+    Mirrors the manager: a request's leading blocks found in either cache hit
+    (those only in the secondary are promoted into the primary); every cached
+    block is touched (and the admission policy's ``on_use`` answer, blocks still
+    in the primary, is cascaded); the rest is stored into the primary in chunks as
+    :func:`simulate_policy` does, and the admitted part of each stored chunk is
+    cascaded. A cascade of a block the secondary holds writes nothing.
+    """
+    if primary_blocks <= 0 or secondary_blocks <= 0:
+        raise ValueError("primary_blocks and secondary_blocks must be positive")
+    primary = make_policy(policy, primary_blocks)
+    secondary: LRUPolicy[int] = LRUPolicy(secondary_blocks)
+    gate: AdmissionPolicy[int] = resolve_admission(admission).build(primary_blocks)
+    tally = _Tally()
+    written = primary_hits = secondary_hits = 0
+
+    def cascade(keys: Sequence[int]) -> int:
+        count = 0
+        for key in keys:
+            if key in secondary:
+                continue
+            if len(secondary) >= secondary_blocks:
+                secondary.evict(1, lambda _k: True)
+            secondary.insert(key)
+            count += 1
+        return count
+
+    for request in requests:
+        ids = request.hash_ids
+        hits = 0
+        promoted: list[int] = []
+        for hash_id in ids:
+            if hash_id in primary:
+                primary_hits += 1
+            elif hash_id in secondary:
+                secondary_hits += 1
+                promoted.append(hash_id)
+            else:
+                break
+            hits += 1
+        tally.add(request, hits, block_tokens)
+        for hash_id in reversed(ids):
+            primary.access(hash_id)
+            secondary.access(hash_id)
+        written += cascade(gate.on_use([k for k in ids[:hits] if k in primary]))
+        if promoted:  # promotions land in the primary tier; nothing is written below
+            _store_chunk(primary, primary_blocks, promoted)
+        for start in range(hits, len(ids), store_chunk_blocks):
+            chunk = ids[start : start + store_chunk_blocks]
+            missing = [k for k in dict.fromkeys(chunk) if k not in primary]
+            _store_chunk(primary, primary_blocks, chunk)
+            stored = [k for k in missing if k in primary]
+            if stored:
+                written += cascade(gate.admit(stored))
+    return StackHitRate(tally.result(), primary_hits, secondary_hits, written)
 
 
 def _next_uses(requests: Sequence[Request]) -> list[int]:

@@ -20,12 +20,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tiering.policies import POLICY_NAMES
+from tiering.policies import POLICY_NAMES, PolicyChoice, resolve_admission, resolve_policy
 from tiering.replay.offline import (
     DEFAULT_STORE_CHUNK_BLOCKS,
     HitRate,
+    StackHitRate,
     simulate_belady,
     simulate_policy,
+    simulate_stack,
     unlimited_hit_rate,
 )
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request, trace_footprint
@@ -86,6 +88,112 @@ class SweepResult:
         }
 
 
+#: Default size of the simulated secondary tier, as a multiple of the primary's capacity.
+DEFAULT_SECONDARY_FACTOR = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionPoint:
+    """One primary capacity, eviction policy and admission policy over an LRU secondary."""
+
+    capacity_blocks: int
+    secondary_blocks: int
+    policy: str
+    admission: str
+    result: StackHitRate
+
+    def to_json(self, block_bytes: int) -> dict[str, Any]:
+        result = self.result
+        return {
+            "capacity_blocks": self.capacity_blocks,
+            "secondary_blocks": self.secondary_blocks,
+            "policy": self.policy,
+            "admission": self.admission,
+            "token_hit_rate": result.hits.token_hit_rate,
+            "secondary_hit_blocks": result.secondary_hit_blocks,
+            "blocks_written": result.blocks_written,
+            "bytes_written": result.blocks_written * block_bytes,
+            "bytes_written_per_hit_token": result.bytes_written_per_hit_token(block_bytes),
+        }
+
+
+def run_admission_sweep(
+    requests: Sequence[Request],
+    capacities: Sequence[int],
+    *,
+    policies: Sequence[str | PolicyChoice] = ("lru",),
+    admissions: Sequence[str | PolicyChoice] = ("all", "reuse"),
+    secondary_factor: float = DEFAULT_SECONDARY_FACTOR,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[AdmissionPoint]:
+    """Every (capacity, policy, admission) over a secondary of ``secondary_factor x`` capacity.
+
+    The cost of an admission policy is what it writes below the primary tier:
+    compare ``bytes_written_per_hit_token`` and the hit rate against ``"all"``.
+    """
+    if not secondary_factor > 0:
+        raise ValueError(f"secondary_factor must be positive, got {secondary_factor}")
+    policy_choices = [resolve_policy(p, key="--policies") for p in policies]
+    admission_choices = [resolve_admission(a, key="--admission") for a in admissions]
+    points: list[AdmissionPoint] = []
+    for capacity in sorted(set(capacities)):
+        secondary = max(1, math.ceil(capacity * secondary_factor))
+        for policy in policy_choices:
+            for admission in admission_choices:
+                if should_stop is not None and should_stop():
+                    return points
+                result = simulate_stack(
+                    requests,
+                    capacity,
+                    secondary,
+                    policy,
+                    admission,
+                    block_tokens,
+                    store_chunk_blocks,
+                )
+                points.append(
+                    AdmissionPoint(capacity, secondary, policy.label, admission.label, result)
+                )
+    return points
+
+
+def render_admission_table(
+    points: Sequence[AdmissionPoint], footprint_blocks: int, block_bytes: int, console: Console
+) -> None:
+    """Hit rate and bytes written below the primary tier, per admission policy."""
+    table = Table(
+        title="cascade admission: CPU primary over an LRU secondary tier "
+        "(bytes written to the secondary per token served from cache)",
+        title_justify="left",
+    )
+    for column in (
+        "primary (blocks)",
+        "of footprint",
+        "secondary (blocks)",
+        "policy",
+        "admission",
+        "token hit rate",
+        "blocks written",
+        "bytes written / hit token",
+    ):
+        table.add_column(column, justify="right")
+    for point in points:
+        result = point.result
+        table.add_row(
+            f"{point.capacity_blocks:,}",
+            f"{point.capacity_blocks / max(1, footprint_blocks):.0%}",
+            f"{point.secondary_blocks:,}",
+            point.policy,
+            point.admission,
+            f"{result.hits.token_hit_rate:.1%}",
+            f"{result.blocks_written:,}",
+            f"{result.bytes_written_per_hit_token(block_bytes):,.0f}",
+        )
+    console.print(table)
+
+
 def default_capacities(footprint_blocks: int) -> list[int]:
     """Capacities spread over the trace's footprint (distinct, ascending, at least 1)."""
     return sorted({max(1, math.ceil(footprint_blocks * f)) for f in DEFAULT_FRACTIONS})
@@ -95,7 +203,7 @@ def run_sweep(
     requests: Sequence[Request],
     capacities: Sequence[int],
     *,
-    policies: Sequence[str] = POLICY_NAMES,
+    policies: Sequence[str | PolicyChoice] = POLICY_NAMES,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     block_bytes: int = 0,
     store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
@@ -105,27 +213,34 @@ def run_sweep(
 ) -> SweepResult:
     """Simulate every policy (and Belady) at every capacity.
 
-    ``on_step(name, capacity)`` is called after each simulation (for progress);
+    ``policies`` are settings :func:`~tiering.policies.resolve_policy` accepts
+    (names, ``pkg.mod:Class`` paths, ``name(k=v)`` texts, resolved choices); results
+    are keyed by each choice's label. ``on_step(name, capacity)`` is called after
+    each simulation (for progress);
     ``should_stop()`` is checked before each one, and a stopped sweep returns the
     capacities finished so far.
     """
     if not capacities or any(c <= 0 for c in capacities):
         raise ValueError(f"capacities must be positive block counts, got {list(capacities)}")
+    choices = [resolve_policy(policy, key="--policies") for policy in policies]
+    labels = [choice.label for choice in choices]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"policies must be distinct, got {labels}")
     points: list[SweepPoint] = []
     for capacity in sorted(set(capacities)):
         rates: dict[str, HitRate] = {}
-        for name in (*policies, BELADY):
+        for name, choice in (*zip(labels, choices, strict=True), (BELADY, None)):
             if should_stop is not None and should_stop():
                 break
-            if name == BELADY:
+            if choice is None:
                 rates[name] = simulate_belady(requests, capacity, block_tokens)
             else:
                 rates[name] = simulate_policy(
-                    requests, capacity, name, block_tokens, store_chunk_blocks
+                    requests, capacity, choice, block_tokens, store_chunk_blocks
                 )
             if on_step is not None:
                 on_step(name, capacity)
-        if len(rates) < len(policies) + 1:
+        if len(rates) < len(choices) + 1:
             break
         points.append(SweepPoint(capacity, capacity * block_bytes, rates))
     return SweepResult(
@@ -134,7 +249,7 @@ def run_sweep(
         footprint_blocks=trace_footprint(requests),
         block_tokens=block_tokens,
         block_bytes=block_bytes,
-        policies=tuple(policies),
+        policies=tuple(labels),
         unlimited=unlimited_hit_rate(requests, block_tokens),
         points=tuple(points),
     )
@@ -164,8 +279,16 @@ def write_csv(result: SweepResult, path: Path) -> None:
             )
 
 
-def write_json(result: SweepResult, path: Path) -> None:
-    path.write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+def sweep_json(result: SweepResult, admission: Sequence[AdmissionPoint] = ()) -> dict[str, Any]:
+    """The sweep as JSON, with the admission comparison under ``"admission"`` when run."""
+    data = result.to_json()
+    if admission:
+        data["admission"] = [point.to_json(result.block_bytes) for point in admission]
+    return data
+
+
+def write_json(result: SweepResult, path: Path, admission: Sequence[AdmissionPoint] = ()) -> None:
+    path.write_text(json.dumps(sweep_json(result, admission), indent=2) + "\n", encoding="utf-8")
 
 
 def plot_png(result: SweepResult, path: Path) -> None:
@@ -182,7 +305,7 @@ def plot_png(result: SweepResult, path: Path) -> None:
             capacities,
             [100 * p.hit_rates[name].token_hit_rate for p in result.points],
             marker="o",
-            label=name.upper(),
+            label=_column_title(name),
         )
     axes.plot(
         capacities,
@@ -228,7 +351,9 @@ def render_table(result: SweepResult, console: Console) -> None:
     table.add_column("capacity", justify="right")
     table.add_column("of footprint", justify="right")
     for name in names:
-        table.add_column("Belady (optimum)" if name == BELADY else name.upper(), justify="right")
+        table.add_column(
+            "Belady (optimum)" if name == BELADY else _column_title(name), justify="right"
+        )
     for point in result.points:
         table.add_row(
             f"{point.capacity_blocks:,}",
@@ -237,3 +362,8 @@ def render_table(result: SweepResult, console: Console) -> None:
             *(f"{point.hit_rates[n].token_hit_rate:.1%}" for n in names),
         )
     console.print(table)
+
+
+def _column_title(label: str) -> str:
+    """Built-in names in capitals (LRU, ARC, KVAWARE); user policies as written."""
+    return label.upper() if label in POLICY_NAMES else label

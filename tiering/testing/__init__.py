@@ -6,7 +6,7 @@
   short reads and corruption (``FaultyTier``, ``FaultPlan``).
 - :mod:`tiering.testing.policy_machine`: a Hypothesis state machine for any
   eviction policy (``make_policy_state_machine``, ``make_policy_test_case``,
-  ``ReferenceLRU``, ``ReferenceARC``).
+  ``ReferenceLRU``, ``ReferenceARC``, ``ReferenceKVAware``).
 
 Names are re-exported lazily, so importing one helper never imports the
 others' dependencies (Hypothesis, the runtime). ``pip install
@@ -30,6 +30,7 @@ _EXPORTS = {
     "make_policy_test_case": "tiering.testing.policy_machine",
     "ReferenceLRU": "tiering.testing.policy_machine",
     "ReferenceARC": "tiering.testing.policy_machine",
+    "ReferenceKVAware": "tiering.testing.policy_machine",
 }
 
 

@@ -20,7 +20,8 @@ checks it after every step against a plain model of the contract:
 * ``check_invariants()`` passes and ``len(policy) <= capacity``.
 
 With ``reference=`` (a simple, obviously-correct implementation of the same
-policy, e.g. :class:`ReferenceLRU` or :class:`ReferenceARC`), every victim list
+policy, e.g. :class:`ReferenceLRU`, :class:`ReferenceARC` or
+:class:`ReferenceKVAware`), every victim list
 must also equal the reference's exactly, which checks the eviction *order*.
 """
 
@@ -158,6 +159,96 @@ class ReferenceARC(EvictionPolicy[K]):
         assert len(self.t1) + len(self.b1) <= c
         assert len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) <= 2 * c
         assert 0.0 <= self.p <= c
+
+
+class ReferenceKVAware(EvictionPolicy[K]):
+    """:class:`~tiering.policies.kvaware.KVAwarePolicy` on plain lists, one victim at a time.
+
+    Probation and protected lists (oldest first), two ghost lists trimmed from
+    the front, and the adaptive protected target, written out without any
+    incremental bookkeeping.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        probation_ghosts: float = 1.0,
+        protected_ghosts: float = 1.0,
+        initial_protected: float = 0.9,
+    ) -> None:
+        super().__init__(capacity)
+        self.probation: list[K] = []
+        self.protected: list[K] = []
+        self.b1: list[K] = []
+        self.b2: list[K] = []
+        self.max_b1 = int(probation_ghosts * capacity)
+        self.max_b2 = int(protected_ghosts * capacity)
+        self.target = float(initial_protected * capacity)
+
+    def insert(self, key: K) -> None:
+        c = self.capacity
+        if key in self.probation or key in self.protected:
+            raise ValueError(f"cannot insert {key!r}")
+        if len(self.probation) + len(self.protected) >= c:
+            raise ValueError(f"cannot insert {key!r}")
+        if key in self.b1:
+            self.target = max(0.0, self.target - max(1.0, len(self.b2) / len(self.b1)))
+            self.b1.remove(key)
+            self.protected.append(key)
+        elif key in self.b2:
+            self.target = min(float(c), self.target + max(1.0, len(self.b1) / len(self.b2)))
+            self.b2.remove(key)
+            self.protected.append(key)
+        else:
+            self.probation.append(key)
+
+    def access(self, key: K) -> None:
+        if key in self.protected:
+            self.protected.remove(key)
+            self.protected.append(key)
+        elif key in self.probation:
+            self.probation.remove(key)
+            self.protected.append(key)
+
+    def remove(self, key: K) -> None:
+        for resident in (self.probation, self.protected):
+            if key in resident:
+                resident.remove(key)
+
+    def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
+        victims: list[K] = []
+        while len(victims) < n:
+            in_probation = [k for k in self.probation if can_evict(k)]
+            in_protected = [k for k in self.protected if can_evict(k)]
+            if in_probation and (len(self.protected) <= self.target or not in_protected):
+                key = in_probation[0]
+                self.probation.remove(key)
+                self.b1.append(key)
+                del self.b1[: max(0, len(self.b1) - self.max_b1)]
+            elif in_protected:
+                key = in_protected[0]
+                self.protected.remove(key)
+                self.b2.append(key)
+                del self.b2[: max(0, len(self.b2) - self.max_b2)]
+            else:
+                break
+            victims.append(key)
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.probation or key in self.protected
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self.probation + self.protected)
+
+    def check_invariants(self) -> None:
+        assert len(self.probation) + len(self.protected) <= self.capacity
+        assert len(self.b1) <= self.max_b1 and len(self.b2) <= self.max_b2
+        assert 0.0 <= self.target <= self.capacity
 
 
 def make_policy_state_machine(

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from tiering.auth import BlockAuthenticator, authenticator_from_options
 from tiering.errors import ConfigError
-from tiering.policies import POLICY_NAMES
+from tiering.policies import PolicyChoice, resolve_policy
 from tiers.fs.files import check_root_permissions
 from tiers.fs.layout import SLAB_GLOB_PREFIX, existing_slab_bytes
 
@@ -125,12 +125,18 @@ class FsTierConfig:
     direct_io: DirectIo = "auto"
     durability: Durability = "periodic"
     sync_interval_s: float = 1.0
-    eviction_policy: str = "lru"
+    eviction_policy: str = "lru"  # the policy's label; ``policy`` is what is built
     slab_bytes: int = DEFAULT_SLAB_BYTES
     queue_depth: int = 32
     max_io_bytes: int = DEFAULT_MAX_IO_BYTES
     on_layout_mismatch: Literal["reset", "error"] = "reset"
     preallocate: bool = True
+    policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
+
+    def __post_init__(self) -> None:
+        given: object = self.policy  # None unless a resolved choice was passed
+        if given is None:
+            object.__setattr__(self, "policy", resolve_policy(self.eviction_policy))
 
     #: The MAC of ``auth_key_file`` / ``auth_key_env`` (None: blocks are checksummed only).
     authenticator: BlockAuthenticator | None = field(default=None, repr=False, compare=False)
@@ -163,11 +169,7 @@ class FsTierConfig:
                 f"fs tier: sync_interval_s must be a number of seconds in (0, 3600], "
                 f"got {sync_interval_s!r}"
             )
-        if eviction_policy not in POLICY_NAMES:
-            raise ConfigError(
-                f"fs tier: eviction_policy must be one of {', '.join(POLICY_NAMES)}; "
-                f"got {eviction_policy!r}"
-            )
+        policy = resolve_policy(eviction_policy, key="fs tier: eviction_policy")
         slab = parse_size("slab_bytes", options["slab_bytes"])
         if slab < 4 * KiB:
             raise ConfigError(f"fs tier: slab_bytes must be at least 4KiB, got {slab}")
@@ -198,7 +200,8 @@ class FsTierConfig:
             direct_io=_direct_io(options["direct_io"]),
             durability=durable,  # type: ignore[arg-type]
             sync_interval_s=float(sync_interval_s),
-            eviction_policy=eviction_policy,
+            eviction_policy=policy.label,
+            policy=policy,
             slab_bytes=slab,
             queue_depth=depth,
             max_io_bytes=max_io,

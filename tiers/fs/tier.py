@@ -32,7 +32,7 @@ from tiering.errors import (
     TierClosedError,
 )
 from tiering.keys import OffloadKey
-from tiering.policies import EvictionPolicy, make_policy
+from tiering.policies import EvictionPolicy
 from tiering.tier import AsyncTier, TierContext
 from tiers.fs.config import (
     DEFAULT_MAX_IO_BYTES,
@@ -147,7 +147,7 @@ class FileSystemTier(AsyncTier):
         direct_io: bool | str | None = "auto",
         durability: str = "periodic",
         sync_interval_s: float = 1.0,
-        eviction_policy: str = "lru",
+        eviction_policy: object = "lru",
         slab_bytes: int | str = DEFAULT_SLAB_BYTES,
         queue_depth: int = 32,
         max_io_bytes: int | str = DEFAULT_MAX_IO_BYTES,
@@ -245,9 +245,7 @@ class FileSystemTier(AsyncTier):
         loop = asyncio.get_running_loop()
         geometry = prepared.geometry
         self._direct_io = prepared.slabs.direct
-        policy = cast(
-            "EvictionPolicy[OffloadKey]", make_policy(cfg.eviction_policy, geometry.capacity_slots)
-        )
+        policy = cast("EvictionPolicy[OffloadKey]", cfg.policy.build(geometry.capacity_slots))
         index = SlotIndex.restore(geometry.capacity_slots, policy, prepared.entries)
         backend = self._make_backend(loop)
         state: _Open | None = None

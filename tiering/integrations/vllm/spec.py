@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from tiering.copy import CopyWorker, make_copy_worker
+from tiering.integrations.vllm.policy import vllm_cache_policy
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 logger = logging.getLogger("tiering.integrations.vllm")
@@ -131,11 +132,15 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
     (``cpu_bytes_to_use``, ``block_size``, ``eviction_policy``,
     ``secondary_tiers``...) plus ``copy_engine``: ``"auto"`` (default: CUDA
     engine for CUDA KV tensors, host engine otherwise), ``"host"`` or
-    ``"cuda"``.
+    ``"cuda"``. ``eviction_policy`` also takes every policy kv-tiering resolves
+    (``"kvaware"``, ``"pkg.mod:Class"``, entry points, options), run inside
+    vLLM's CPU tier through :mod:`tiering.integrations.vllm.policy`.
     """
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
+        # Read by vLLM when it builds its CPU primary tier (in get_manager).
+        self.eviction_policy, self.cache_policy_module_path = vllm_cache_policy(self.extra_config)
         engine = self.extra_config.get("copy_engine", "auto")
         if engine not in ("auto", "host", "cuda"):
             raise ValueError(f"copy_engine must be 'auto', 'host' or 'cuda', got {engine!r}")
