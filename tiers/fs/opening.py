@@ -53,6 +53,9 @@ class Prepared:
     journal_size: int
     dropped: int
     notes: list[str]
+    #: Records were lost to damage (not just a torn tail), so a recovered entry may be
+    #: stale (its DEL, and the record of its slot's reuse, were lost): read them all once.
+    verify_recovered: bool = False
 
     def close(self) -> None:
         self.slabs.close()
@@ -91,7 +94,17 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
         root.close()
         raise
     return Prepared(
-        root, lock_fd, header, geometry, slabs, entries, journal_fd, size, dropped, notes
+        root,
+        lock_fd,
+        header,
+        geometry,
+        slabs,
+        entries,
+        journal_fd,
+        size,
+        dropped,
+        notes,
+        verify_recovered=bool(entries) and (result.damaged_bytes > 0 or not result.tail_torn),
     )
 
 
