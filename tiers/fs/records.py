@@ -296,4 +296,4 @@ def _looks_torn(tail: memoryview) -> bool:
     if written < _FRAME.size:
         return bytes(tail[:written]) == SYNC_MARKER[:written]
     marker, body_len = _FRAME.unpack_from(tail, 0)
-    return marker == SYNC_MARKER and written < _FRAME.size + body_len + _U64.size
+    return bool(marker == SYNC_MARKER and written < _FRAME.size + body_len + _U64.size)
