@@ -81,10 +81,13 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
         slabs = SlabFiles(root, geometry, cfg.direct_io, cfg.preallocate)
         slabs.open_existing()
         backed = slabs.backed_slots
-        entries = {k: v for k, v in result.entries.items() if v[0] < backed}
+        first = geometry.slots_per_slab if slabs.created_first else 0  # slab 0 was missing
+        entries = {k: v for k, v in result.entries.items() if first <= v[0] < backed}
         dropped = len(result.entries) - len(entries)
         if dropped:
-            notes.append(f"{dropped} blocks beyond the capacity or the slab files were dropped")
+            notes.append(
+                f"{dropped} blocks beyond the capacity or in missing slab files were dropped"
+            )
         journal_fd, size = _rewrite_journal(root, header, entries, appendable, notes)
     except BaseException:
         if slabs is not None:
