@@ -22,7 +22,12 @@ from tiering.errors import ConfigError
 from tiers.fs.config import FsTierConfig
 from tiers.fs.errors import RootInUseError
 from tiers.fs.files import RootDir, UnsafeFileError
-from tiers.fs.journal import open_for_append, recover, write_snapshot
+from tiers.fs.journal import (
+    open_for_append,
+    recover,
+    write_snapshot,
+    write_snapshot_for_append,
+)
 from tiers.fs.layout import (
     HEADER_NAME,
     JOURNAL_NAME,
@@ -124,8 +129,9 @@ def _rewrite_journal(
     skips a torn tail or damage before new records, and drops entries beyond
     the slab files again at each open); otherwise a clear OSError.
     """
+    snapshot = [(k, s, c, t) for k, (s, c, t) in entries.items()]
     try:
-        size = write_snapshot(root, header, [(k, s, c, t) for k, (s, c, t) in entries.items()])
+        return write_snapshot_for_append(root, header, snapshot)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not appendable:
             raise OSError(
@@ -138,7 +144,6 @@ def _rewrite_journal(
         notes.append(note)
         logger.warning("fs tier: %s: %s", root.path, note)
         return fd, os.fstat(fd).st_size
-    return open_for_append(root), size
 
 
 def close_prepared_when_done(job: asyncio.Future[Prepared]) -> None:
