@@ -191,3 +191,16 @@ def test_slab_names_never_come_from_keys() -> None:
     assert parse_slab_name("slab-000007.bin") == 7
     for bad in ("slab-7.bin", "slab-../000.bin", "header.json", "slab-00000a.bin"):
         assert parse_slab_name(bad) is None
+
+
+def test_a_torn_tail_is_told_apart_from_a_damaged_one() -> None:
+    records = encode([("put", [(b"a", 1, 2)]), ("put", [(b"b", 2, 3)])])
+    blob = b"".join(records)
+    assert replay(blob, SEED).tail_torn
+    assert replay(blob[:-3], SEED).tail_torn  # cut short
+    assert replay(blob[:-3] + bytes(8192), SEED).tail_torn  # cut, then unwritten pages
+    assert replay(blob + bytes(100), SEED).tail_torn
+    flipped = bytearray(blob)
+    flipped[-1] ^= 1  # the last record complete but failing its checksum
+    assert not replay(bytes(flipped), SEED).tail_torn
+    assert not replay(blob + b"garbage!", SEED).tail_torn

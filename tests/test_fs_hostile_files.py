@@ -341,3 +341,52 @@ async def test_a_symlink_planted_for_a_slab_not_yet_created_is_refused(tmp_path:
         for i in range(4):
             assert await read_key(tier, key(i)) == block_data(key(i))
     assert victim.read_bytes() == content
+
+
+@pytest.mark.parametrize("gone", [SLAB0, "slab-000001.bin"])
+async def test_a_slab_deleted_while_closed_costs_only_its_blocks(tmp_path: Path, gone: str) -> None:
+    root = tmp_path / "cache"
+    keys = [key(i) for i in range(8)]
+    async with opened(root, slab_bytes=4 * BLOCK, capacity_bytes=8 * BLOCK) as tier:
+        await write_keys(tier, keys)
+        in_slab = {k for k in keys if tier._state().index.get(k).slot // 4 == int(gone[5:11])}  # type: ignore[union-attr]
+    (root / gone).unlink()
+    async with opened(root, slab_bytes=4 * BLOCK, capacity_bytes=8 * BLOCK) as tier:
+        present = set(await tier.list_keys())
+        assert present == set(keys) - in_slab
+        assert any("dropped" in note for note in tier.stats.notes)
+        for k in present:
+            assert await read_key(tier, k) == block_data(k)
+        assert tier.stats.corrupt_blocks == 0
+        await write_keys(tier, [key(20), key(21)])
+
+
+@pytest.mark.usefixtures("no_timer")
+async def test_stores_are_refused_while_a_repair_fails_and_accepted_once_it_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cache"
+    tier = make_tier(root)
+    removed = _Removed(tier)
+    async with opened(root, tier=tier):
+        await write_keys(tier, [key(1), key(2)])
+        journal = tier._state().journal
+        real_rotate = journal.rotate
+
+        async def no_space() -> bool:
+            return False  # as when the disk is full
+
+        monkeypatch.setattr(journal, "rotate", no_space)
+        (root / JOURNAL_NAME).unlink()
+        await tier._state().watch.check()
+        assert removed.keys == {key(1), key(2)}  # nothing acknowledged into the deleted file
+        with pytest.raises(FilesDeletedError, match="stores refused"):
+            await write_keys(tier, [key(3)])
+        await tier._state().watch.check()  # still failing: still refused
+        with pytest.raises(FilesDeletedError):
+            await write_keys(tier, [key(3)])
+        monkeypatch.setattr(journal, "rotate", real_rotate)
+        await tier._state().watch.check()
+        await write_keys(tier, [key(4)])
+        assert tier.stats.deletions_noticed == 1
+    await _checked_restart(root, {key(4)}, removed.keys)

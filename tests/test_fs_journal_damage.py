@@ -22,7 +22,7 @@ from tiers.fs.journal import SNAPSHOT_RECORD_ENTRIES
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 from tiers.fs.records import HEADER_BYTES, iter_records
 
-from .fs_support import block_data, key, opened, read_key, write_keys
+from .fs_support import block_data, key, make_tier, opened, read_key, write_keys
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -231,3 +231,51 @@ async def test_a_bad_header_with_reset_starts_empty_and_says_why(tmp_path: Path,
         await write_keys(tier, [key(3)])
     async with opened(root, on_layout_mismatch="error", **CONFIG) as tier:
         assert set(await tier.list_keys()) == {key(3)}
+
+
+async def test_stale_entries_left_by_damage_are_verified_and_dropped_after_open(
+    tmp_path: Path,
+) -> None:
+    """Damage that takes a DEL and the record of its slot's reuse leaves a stale entry;
+    it is read back once after open and dropped (reported removed), never served."""
+    root = tmp_path / "cache"
+    stale, reuser = key(1), key(2)
+    async with opened(root, **CONFIG) as tier:
+        await write_keys(tier, [key(0)])
+        await write_keys(tier, [stale])
+        slot = tier._state().index.get(stale).slot  # type: ignore[union-attr]
+        before = (root / JOURNAL_NAME).stat().st_size
+        await tier.delete(stale)
+        await write_keys(tier, [reuser])  # reuses the freed slot
+        assert tier._state().index.get(reuser).slot == slot  # type: ignore[union-attr]
+        after = (root / JOURNAL_NAME).stat().st_size
+        await write_keys(tier, [key(3)])
+    journal = bytearray((root / JOURNAL_NAME).read_bytes())
+    for i in range(before, after):  # the DEL and the reuse
+        journal[i] ^= 0xA5
+    (root / JOURNAL_NAME).write_bytes(journal)
+    tier = make_tier(root, **CONFIG)
+    removed: list[OffloadKey] = []
+    tier._bind_removed_sink(removed.extend)
+    async with opened(root, tier=tier):
+        verify = [t for t in tier._state().tasks if t.get_name().startswith("fs-verify-")]
+        assert len(verify) == 1
+        await verify[0]
+        assert removed == [stale]
+        assert set(await tier.list_keys()) == {key(0), key(3)}
+        assert tier.stats.verified_after_damage == 3
+        assert tier.stats.corrupt_blocks == 1
+        assert await read_key(tier, key(0)) == block_data(key(0))
+
+
+async def test_an_undamaged_or_torn_journal_is_not_read_back(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    async with opened(root, **CONFIG) as tier:
+        await write_keys(tier, [key(0), key(1)])
+        await write_keys(tier, [key(2)])
+    path = root / JOURNAL_NAME
+    for torn in (path.read_bytes()[:-3], path.read_bytes() + bytes(4096)):
+        path.write_bytes(torn)  # an interrupted append: a cut record, or unwritten pages
+        async with opened(root, **CONFIG) as tier:
+            assert not [t for t in tier._state().tasks if t.get_name().startswith("fs-verify")]
+            assert tier.stats.verified_after_damage == 0

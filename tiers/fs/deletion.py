@@ -77,6 +77,7 @@ class DeletionWatch:
         self._lock = asyncio.Lock()
         #: Why stores are refused (None while the files are fine).
         self.refusing: str | None = None
+        self._root_deleted = False
         self.events = 0
 
     async def run(self) -> None:
@@ -95,8 +96,13 @@ class DeletionWatch:
         return None
 
     async def check(self) -> None:
-        """Look for deleted files and repair them (see the module docstring)."""
-        if self.refusing is not None:
+        """Look for deleted files and repair them (see the module docstring).
+
+        While stores are refused because a repair failed (e.g. a full disk), each
+        check tries the repair again and accepts stores once it works. Cancellation:
+        a file being created finishes in its thread; the next check goes on.
+        """
+        if self._root_deleted:
             return
         async with self._lock:
             try:
@@ -105,21 +111,30 @@ class DeletionWatch:
                 gone = [f"the files ({exc})"]
             if not gone:
                 return
-            self.events += 1
-            self._on_noticed()
+            retrying = self.refusing is not None
+            if not retrying:
+                self.events += 1
+                self._on_noticed()
             if self._root_gone():
+                self._root_deleted = True
                 self._refuse(f"root_dir {str(self._root.path)!r} was deleted")
                 return
-            logger.error(
-                "fs tier %s: %s deleted under the running tier; its blocks are reported "
-                "removed and the files are created again",
-                self._name,
-                ", ".join(gone),
-            )
+            if not retrying:
+                logger.error(
+                    "fs tier %s: %s deleted under the running tier; its blocks are reported "
+                    "removed and the files are created again",
+                    self._name,
+                    ", ".join(gone),
+                )
             try:
                 await self._repair()
             except OSError as exc:
-                self._refuse(f"the deleted files cannot be created again ({exc})")
+                if not retrying:
+                    self._refuse(f"the deleted files cannot be created again ({exc})")
+                return
+            if retrying:
+                self.refusing = None
+                logger.warning("fs tier %s: files created again; stores accepted", self._name)
 
     def _deleted(self) -> list[str]:
         root = self._root
@@ -167,10 +182,15 @@ class DeletionWatch:
 
     def _refuse(self, why: str) -> None:
         self.refusing = f"fs tier {self._name}: stores refused: {why}"
+        until = (
+            "until the tier is restarted"
+            if self._root_deleted
+            else "until the files can be created again (retried every check)"
+        )
         logger.error(
-            "fs tier %s: %s; every block is reported removed and stores are refused "
-            "until the tier is restarted",
+            "fs tier %s: %s; every block is reported removed and stores are refused %s",
             self._name,
             why,
+            until,
         )
         self._forget(self._index.keys())

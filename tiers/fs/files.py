@@ -139,8 +139,14 @@ class RootDir:
         finally:
             os.close(fd)
 
-    def replace_atomically(self, name: str, payload: bytes, *, full_sync: bool = False) -> None:
-        """Replace ``name`` with ``payload``: temp file, fdatasync, rename, fsync the directory."""
+    def replace_atomically(
+        self, name: str, payload: bytes, *, full_sync: bool = False, keep_open: bool = False
+    ) -> int | None:
+        """Replace ``name`` with ``payload``: temp file, fdatasync, rename, fsync the directory.
+
+        With ``keep_open``, returns a descriptor of the new file (write-only), so
+        no one can remove or swap it between the rename and an open.
+        """
         tmp = f".{name}.tmp"
         self.unlink(tmp)  # whatever is there (even a planted symlink) is not ours to open
         fd = self.open_file(tmp, os.O_WRONLY | os.O_EXCL, create=True)
@@ -152,13 +158,16 @@ class RootDir:
                 os.fsync(fd)
             else:
                 os.fdatasync(fd)
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            self.fsync()
         except BaseException:
             self.unlink(tmp)  # a partial temp file would only hold space (a full disk)
-            raise
-        finally:
             os.close(fd)
-        os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
-        self.fsync()
+            raise
+        if keep_open:
+            return fd
+        os.close(fd)
+        return None
 
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists (a symlink counts; it is never followed)."""

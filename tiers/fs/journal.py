@@ -144,6 +144,20 @@ def write_snapshot(root: RootDir, header: Header, entries: list[SnapshotEntry]) 
     return len(payload)
 
 
+def write_snapshot_for_append(
+    root: RootDir, header: Header, entries: list[SnapshotEntry]
+) -> tuple[int, int]:
+    """:func:`write_snapshot`, returning a descriptor of the new journal and its size.
+
+    The descriptor is that of the file written, even if the name is removed or
+    replaced right after the rename. Blocking: call it in a worker thread.
+    """
+    payload = encode_snapshot(header, entries)
+    fd = root.replace_atomically(JOURNAL_NAME, payload, keep_open=True)
+    assert fd is not None
+    return fd, len(payload)
+
+
 def open_for_append(root: RootDir) -> int:
     return root.open_file(JOURNAL_NAME, os.O_WRONLY)
 
@@ -427,6 +441,5 @@ class JournalWriter:
         return True
 
     def _write_and_open(self, entries: list[SnapshotEntry]) -> tuple[int, int]:
-        """Write the snapshot and open it for appending (blocking; a worker thread)."""
-        size = write_snapshot(self._root, self._header, entries)
-        return open_for_append(self._root), size
+        """Write the snapshot, keeping it open for appending (blocking; a worker thread)."""
+        return write_snapshot_for_append(self._root, self._header, entries)

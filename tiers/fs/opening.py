@@ -22,7 +22,12 @@ from tiering.errors import ConfigError
 from tiers.fs.config import FsTierConfig
 from tiers.fs.errors import RootInUseError
 from tiers.fs.files import RootDir, UnsafeFileError
-from tiers.fs.journal import open_for_append, recover, write_snapshot
+from tiers.fs.journal import (
+    open_for_append,
+    recover,
+    write_snapshot,
+    write_snapshot_for_append,
+)
 from tiers.fs.layout import (
     HEADER_NAME,
     JOURNAL_NAME,
@@ -53,6 +58,9 @@ class Prepared:
     journal_size: int
     dropped: int
     notes: list[str]
+    #: Records were lost to damage (not just a torn tail), so a recovered entry may be
+    #: stale (its DEL, and the record of its slot's reuse, were lost): read them all once.
+    verify_recovered: bool = False
 
     def close(self) -> None:
         self.slabs.close()
@@ -78,10 +86,13 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
         slabs = SlabFiles(root, geometry, cfg.direct_io, cfg.preallocate)
         slabs.open_existing()
         backed = slabs.backed_slots
-        entries = {k: v for k, v in result.entries.items() if v[0] < backed}
+        first = geometry.slots_per_slab if slabs.created_first else 0  # slab 0 was missing
+        entries = {k: v for k, v in result.entries.items() if first <= v[0] < backed}
         dropped = len(result.entries) - len(entries)
         if dropped:
-            notes.append(f"{dropped} blocks beyond the capacity or the slab files were dropped")
+            notes.append(
+                f"{dropped} blocks beyond the capacity or in missing slab files were dropped"
+            )
         journal_fd, size = _rewrite_journal(root, header, entries, appendable, notes)
     except BaseException:
         if slabs is not None:
@@ -91,7 +102,17 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
         root.close()
         raise
     return Prepared(
-        root, lock_fd, header, geometry, slabs, entries, journal_fd, size, dropped, notes
+        root,
+        lock_fd,
+        header,
+        geometry,
+        slabs,
+        entries,
+        journal_fd,
+        size,
+        dropped,
+        notes,
+        verify_recovered=bool(entries) and (result.damaged_bytes > 0 or not result.tail_torn),
     )
 
 
@@ -108,8 +129,9 @@ def _rewrite_journal(
     skips a torn tail or damage before new records, and drops entries beyond
     the slab files again at each open); otherwise a clear OSError.
     """
+    snapshot = [(k, s, c, t) for k, (s, c, t) in entries.items()]
     try:
-        size = write_snapshot(root, header, [(k, s, c, t) for k, (s, c, t) in entries.items()])
+        return write_snapshot_for_append(root, header, snapshot)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not appendable:
             raise OSError(
@@ -122,7 +144,6 @@ def _rewrite_journal(
         notes.append(note)
         logger.warning("fs tier: %s: %s", root.path, note)
         return fd, os.fstat(fd).st_size
-    return open_for_append(root), size
 
 
 def close_prepared_when_done(job: asyncio.Future[Prepared]) -> None:

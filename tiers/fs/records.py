@@ -239,6 +239,8 @@ class ReplayResult:
     valid_bytes: int
     records: int
     skipped: list[tuple[int, int]] = field(default_factory=list)
+    #: The tail looks like an interrupted append (a record cut short, or zeros), not damage.
+    tail_torn: bool = True
 
     @property
     def damaged_bytes(self) -> int:
@@ -277,4 +279,21 @@ def replay(data: bytes | memoryview, seed: int) -> ReplayResult:
                 del entries[other]
             entries[record.key] = (record.slot, record.checksum, record.tag)
             owner[record.slot] = record.key
-    return ReplayResult(entries, valid, count, skipped)
+    tail_torn = True
+    if skipped and skipped[-1][0] >= valid:
+        tail_torn = _looks_torn(memoryview(data)[skipped[-1][0] :])
+    return ReplayResult(entries, valid, count, skipped, tail_torn)
+
+
+def _looks_torn(tail: memoryview) -> bool:
+    """Whether ``tail`` is what an interrupted append leaves: the start of a record whose
+    written bytes stop before its end (the rest missing, or zeros: an extended size whose
+    pages were never written), or only zeros. A complete record failing its checksum, or
+    bytes that start no record, are damage."""
+    written = len(bytes(tail).rstrip(b"\0"))
+    if written == 0:
+        return True
+    if written < _FRAME.size:
+        return bytes(tail[:written]) == SYNC_MARKER[:written]
+    marker, body_len = _FRAME.unpack_from(tail, 0)
+    return bool(marker == SYNC_MARKER and written < _FRAME.size + body_len + _U64.size)

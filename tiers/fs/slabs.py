@@ -43,6 +43,7 @@ class SlabFiles:
         self.backed_slots = 0
         self._dirty: set[int] = set()
         self._retired: list[int] = []  # descriptors of deleted slabs, closed with the others
+        self.created_first = False  # open_existing created slab 0 (it was missing)
         self._grow_lock = asyncio.Lock()
 
     # -- opening (blocking: run in a worker thread) ----------------------------------------
@@ -87,7 +88,9 @@ class SlabFiles:
         if self._want_direct == "off":
             return False
         name = slab_name(0)
-        # Slab 0 must exist to probe; it is needed anyway.
+        # Slab 0 must exist to probe; it is needed anyway. If it was missing (deleted while
+        # the tier was closed), the entries the journal has for it name bytes that are gone.
+        self.created_first = not self._root.exists(name)
         fd = self._root.open_file(name, os.O_RDWR, create=True)
         try:
             self._allocate(fd, self.geometry.slab_size(0))
