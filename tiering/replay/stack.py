@@ -84,17 +84,19 @@ MIN_DEFAULT_CPU_BLOCKS = 64
 
 
 def default_extra_config(
-    *, footprint_blocks: int, block_bytes: int, fs_root: Path
+    *, footprint_blocks: int, block_bytes: int, fs_root: Path | None
 ) -> dict[str, Any]:
-    """The stack used when no config is given: CPU primary and a filesystem tier."""
+    """The stack used when no config is given: CPU primary and a filesystem tier
+    (in ``fs_root``; None leaves ``root_dir`` out for the caller to fill in)."""
     cpu_blocks = max(MIN_DEFAULT_CPU_BLOCKS, math.ceil(footprint_blocks * DEFAULT_CPU_FRACTION))
     fs_blocks = max(cpu_blocks, math.ceil(footprint_blocks * DEFAULT_FS_FRACTION))
+    fs: dict[str, Any] = {"type": "fs", "capacity_bytes": fs_blocks * block_bytes}
+    if fs_root is not None:
+        fs["root_dir"] = str(fs_root)
     return {
         "cpu_bytes_to_use": cpu_blocks * block_bytes,
         "eviction_policy": "lru",
-        "secondary_tiers": [
-            {"type": "fs", "root_dir": str(fs_root), "capacity_bytes": fs_blocks * block_bytes}
-        ],
+        "secondary_tiers": [fs],
     }
 
 
