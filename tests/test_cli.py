@@ -57,6 +57,12 @@ def test_sizes_and_tier_specs_parse() -> None:
         "capacity_blocks": 10,
     }
     assert parse_tier_spec("memory") == {"type": "memory"}
+    assert parse_tier_spec("pkg.tiers:S3Tier") == {"type": "pkg.tiers:S3Tier"}
+    assert parse_tier_spec("pkg.tiers:S3Tier:bucket=kv,n=2") == {
+        "type": "pkg.tiers:S3Tier",
+        "bucket": "kv",
+        "n": 2,
+    }
 
 
 # -- generate and sweep (no tiers needed) --------------------------------------------------------

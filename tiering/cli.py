@@ -131,6 +131,10 @@ def parse_tier_spec(text: str) -> dict[str, Any]:
             raise UsageError(f"--tier {text!r}: expected a JSON object")
         return entry
     tier_type, _, rest = text.partition(":")
+    head, _, tail = rest.partition(":")
+    if head and "=" not in head and all(part.isidentifier() for part in head.split(".")):
+        # A "package.module:Class" type, optionally followed by ":KEY=VALUE,...".
+        tier_type, rest = f"{tier_type}:{head}", tail
     if not tier_type:
         raise UsageError(f"--tier {text!r}: expected TYPE[:KEY=VALUE,...] or a JSON object")
     entry = {"type": tier_type}
