@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tiering.cli import (
     EXIT_BAD_INPUT,
-    EXIT_INTERRUPTED,
     EXIT_OK,
     main,
     parse_tier_spec,
@@ -302,46 +299,6 @@ def test_a_bad_tier_names_its_position_type_and_key(
     assert main(["replay", *SMALL, "--tier", tier]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert named in err and "secondary_tiers[0]" in err
-
-
-def test_ctrl_c_stops_cleanly_with_a_partial_report() -> None:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tiering",
-            "-v",
-            "replay",
-            "--requests",
-            "20000",
-            "--block-bytes",
-            "4KiB",
-            "--tier",
-            "memory",
-            "--json",
-            "--no-progress",
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    try:
-        for line in process.stderr:
-            if "replaying 20000 requests" in line:
-                break
-        time.sleep(0.5)
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == EXIT_INTERRUPTED, err
-    report = json.loads(out)
-    assert report["interrupted"] and not report["ok"]
-    assert 0 < report["trace"]["requests_replayed"] < report["trace"]["requests"] == 20000
-    assert report["overhead"]["drained"]
-    assert report["verification"]["mismatches"] == 0
 
 
 def test_a_yaml_config_in_vllms_shape_builds_the_stack(
