@@ -320,7 +320,9 @@ def test_a_yaml_config_in_vllms_shape_builds_the_stack(
     setup = report["setup"]
     assert setup["eviction_policy"] == "arc" and setup["cpu_blocks"] == 128
     assert setup["ignored_config_keys"] == ["block_size"]
-    assert [t["name"] for t in report["tiers"]][1:] == ["cpu", "memory#0", "memory#1"]
+    # The report uses a tier's configured name; the other one keeps its type and position.
+    assert [t["name"] for t in report["tiers"]][1:] == ["cpu", "warm", "memory#1"]
+    assert set(report["hit_rate"]["secondary"]) == {"warm", "memory#1"}
     assert report["tiers"][2]["capacity_blocks"] == 100
     assert report["hit_rate"]["total"] == pytest.approx(report["hit_rate"]["unlimited"], abs=0.001)
 
@@ -370,3 +372,25 @@ def test_the_default_stack_is_cpu_plus_a_filesystem_tier_in_a_temporary_director
     assert root.name == "fs" and not root.parent.exists()  # cleaned up after the run
     assert report["ok"] and report["verification"]["mismatches"] == 0
     assert report["hit_rate"]["total"] <= report["hit_rate"]["unlimited"] + 1e-9
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_the_report_fits_the_console_without_cutting_cells(
+    width: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from tiering.replay.report import render_report
+
+    tier = json.dumps({"type": "memory", "name": "a-rather-long-tier-name-for-a-table"})
+    assert main(["replay", *SMALL, "--tier", tier, "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    buffer = io.StringIO()
+    render_report(report, Console(file=buffer, width=width))
+    text = buffer.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "\u2026" not in text  # no cell cut off with an ellipsis
+    for label in ("store GPU->CPU", "load CPU->GPU", "promotion wait", "operation"):
+        assert label in text

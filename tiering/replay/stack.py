@@ -13,7 +13,7 @@ import json
 import math
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,25 @@ def layout_fingerprint(block_bytes: int, block_tokens: int) -> str:
     return f"kv-tiering-replay/v1/block_bytes={block_bytes}/block_tokens={block_tokens}"
 
 
+def report_names(
+    tier_configs: Sequence[Mapping[str, Any]], stats_names: Sequence[str]
+) -> list[str]:
+    """The name each secondary tier has in the report: its config's ``name`` where given,
+    else the manager's label (its type, with ``#position`` for a repeated type).
+
+    Names must be distinct and not ``gpu`` or ``cpu`` (the report's own rows); a
+    clash gets ``#position`` appended.
+    """
+    names: list[str] = []
+    for position, (config, fallback) in enumerate(zip(tier_configs, stats_names, strict=True)):
+        given = config.get("name")
+        name = given if isinstance(given, str) and given else fallback
+        if name in ("gpu", "cpu") or name in names:
+            name = f"{name}#{position}"
+        names.append(name)
+    return names
+
+
 def build_stack(
     extra_config: Mapping[str, Any], *, block_bytes: int, block_tokens: int
 ) -> ReplayStack:
@@ -240,7 +259,7 @@ def build_stack(
         metrics_registry=False,
     )
     manager = spec.get_manager()
-    names = [tier.name for tier in manager.stats().secondary]
+    names = report_names(spec.config.secondary_tiers, [t.name for t in manager.stats().secondary])
     return ReplayStack(
         manager=manager,
         kv_view=manager.primary.kv_view,
