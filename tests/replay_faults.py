@@ -34,3 +34,10 @@ class OpenFailsTier(MemoryTier):
 
     async def open(self, context: TierContext) -> None:
         raise RuntimeError("the license server said no")
+
+
+class FailingReadsMemoryTier(FaultyTier):
+    """Every read fails with EIO: each promotion from it is a failed tier job."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryTier(), FaultPlan(error_rate=1.0, ops={"read"}))

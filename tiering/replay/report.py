@@ -464,6 +464,16 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
         )
     else:
         console.print(Text("Failures: none.", style="green"))
+    tier_failures = report.get("tier_failures")
+    if tier_failures is not None and tier_failures["exceeded"]:
+        console.print(
+            Text(
+                f"Tier failures: {tier_failures['count']:,} (failed tier jobs + missing reads + "
+                f"tier timeouts), more than --max-tier-failures {tier_failures['max_allowed']:,}: "
+                f"exit status {report.get('exit_status', 3)}.",
+                style="bold yellow",
+            )
+        )
     verification = report["verification"]
     if verification["mismatches"]:
         examples = ", ".join(
