@@ -528,3 +528,28 @@ def test_a_module_class_tier_in_the_working_directory_loads_from_the_script(
     )
     assert done.returncode == EXIT_OK, done.stderr
     assert json.loads(done.stdout)["tiers"][2]["name"] == "my_local_tier:LocalTier"
+
+
+def test_a_run_on_a_warm_persistent_root_says_so_and_compares_fairly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tier = f"fs:root_dir={tmp_path / 'fs'},capacity_bytes=4MiB"
+    args = ["replay", *SMALL, "--tier", tier, "--max-tier-failures", "1000000", "--json"]
+    assert main(args) == EXIT_OK
+    cold = json.loads(capsys.readouterr().out)
+    assert cold["setup"]["warm_start"]["blocks_held"] == 0
+    assert cold["hit_rate"]["unlimited"] == cold["setup"]["warm_start"]["unlimited_from_cold"]
+
+    assert main(args) == EXIT_OK
+    warm = json.loads(capsys.readouterr().out)
+    start = warm["setup"]["warm_start"]
+    assert 0 < start["blocks_held"] <= cold["tiers"][2]["blocks_held"]
+    assert 0 < start["workload_blocks_held"] <= start["blocks_held"]
+    hit = warm["hit_rate"]
+    # The reference starts with the same blocks: the run can never beat it.
+    assert hit["unlimited"] > start["unlimited_from_cold"] == cold["hit_rate"]["unlimited"]
+    assert hit["total"] <= hit["unlimited"] + 1e-9 and hit["fraction_of_unlimited"] <= 1 + 1e-9
+
+    assert main(args[:-1]) == EXIT_OK
+    out = " ".join(capsys.readouterr().out.split())
+    assert "The cache started warm" in out and "an unlimited cache starting with the same" in out

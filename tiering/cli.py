@@ -503,6 +503,8 @@ class _ReplayRun:
     gpu_held: int
     secondary_names: list[str]
     runtime_stats: list[Any]
+    warm_blocks: set[int]  # the workload's blocks the secondary tiers held at the start
+    held_at_start: int  # blocks the secondary tiers held at the start
 
 
 def run_replay(args: argparse.Namespace, signals: SignalStop) -> int:
@@ -573,6 +575,7 @@ def _replay_workload(
     from tiering.replay.replayer import Replayer, ReplayTotals
     from tiering.replay.stack import build_stack, default_gpu_blocks
     from tiering.replay.trace import trace_footprint
+    from tiering.replay.warm import blocks_held_at_start, cached_at_start
 
     footprint = trace_footprint(workload.requests)
     gpu_blocks = args.gpu_blocks if args.gpu_blocks is not None else default_gpu_blocks(footprint)
@@ -582,6 +585,19 @@ def _replay_workload(
         extra = _replay_config(args, footprint, temp)
         stack = build_stack(extra, block_bytes=args.block_bytes, block_tokens=args.block_tokens)
         try:
+            held_at_start = blocks_held_at_start(stack)
+            warm = (
+                cached_at_start(stack, {h for r in workload.requests for h in r.hash_ids})
+                if held_at_start
+                else set()
+            )
+            if held_at_start:
+                logger.info(
+                    "the cache starts warm: the secondary tiers hold %d blocks, %d of them "
+                    "this workload's",
+                    held_at_start,
+                    len(warm),
+                )
             replayer = Replayer(
                 stack,
                 gpu_blocks=gpu_blocks,
@@ -624,6 +640,8 @@ def _replay_workload(
         gpu_held=len(replayer.gpu),
         secondary_names=[name for name, _ in stack.secondary],
         runtime_stats=[_runtime_stats(tier) for _, tier in stack.secondary],
+        warm_blocks=warm,
+        held_at_start=held_at_start,
     )
 
 
@@ -631,6 +649,7 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
     from tiering.replay.offline import unlimited_hit_rate
     from tiering.replay.report import build_report
     from tiering.replay.stack import IGNORED_FOR_REPLAY, configured_capacity, tier_summary
+    from tiering.replay.warm import unlimited_hit_rate_from
 
     extra = run.extra_config
     tiers = extra.get("secondary_tiers") or []
@@ -648,10 +667,19 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
         "ignored_config_keys": [key for key in IGNORED_FOR_REPLAY if key in extra],
     }
     replayed = workload.requests[: run.totals.requests_done]
-    return build_report(
+    cold = unlimited_hit_rate(replayed, args.block_tokens)
+    setup["warm_start"] = {
+        "blocks_held": run.held_at_start,
+        "workload_blocks_held": len(run.warm_blocks),
+        # A cache that starts warm is compared with an unlimited one starting the same.
+        "unlimited_from_cold": cold.token_hit_rate,
+    }
+    report = build_report(
         totals=run.totals,
         stats=run.stats,
-        unlimited=unlimited_hit_rate(replayed, args.block_tokens),
+        unlimited=unlimited_hit_rate_from(replayed, run.warm_blocks, args.block_tokens)
+        if run.warm_blocks
+        else cold,
         trace_name=workload.name,
         footprint_blocks=run.footprint_blocks,
         block_tokens=args.block_tokens,
@@ -664,6 +692,7 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
         runtime_stats=run.runtime_stats,
         configured_capacities=[configured_capacity(t, args.block_bytes) for t in tiers],
     )
+    return report
 
 
 def _runtime_stats(tier: object) -> Any:

@@ -414,11 +414,27 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
             f"{format_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}); secondary: "
             + (", ".join(setup["secondary_summary"]) or "none")
         ),
-        Text(
-            f"Total hit rate {_pct(hit['total'])} = {_pct(hit['fraction_of_unlimited'])} of the "
-            f"{_pct(hit['unlimited'])} an unlimited cache gets on the same requests."
-        ),
     ]
+    warm = setup.get("warm_start") or {}
+    if warm.get("blocks_held"):
+        notes.append(
+            Text(
+                f"The cache started warm: the secondary tiers held {warm['blocks_held']:,} "
+                f"blocks, {warm['workload_blocks_held']:,} of them this workload's (a persistent "
+                f"root_dir). Total hit rate {_pct(hit['total'])} = "
+                f"{_pct(hit['fraction_of_unlimited'])} of the {_pct(hit['unlimited'])} an "
+                "unlimited cache starting with the same blocks gets on the same requests "
+                f"({_pct(warm['unlimited_from_cold'])} from cold).",
+                style="yellow",
+            )
+        )
+    else:
+        notes.append(
+            Text(
+                f"Total hit rate {_pct(hit['total'])} = {_pct(hit['fraction_of_unlimited'])} of "
+                f"the {_pct(hit['unlimited'])} an unlimited cache gets on the same requests."
+            )
+        )
     if setup.get("ignored_config_keys"):
         notes.append(
             Text(
