@@ -466,3 +466,20 @@ def test_tier_that_fails_to_open_shuts_down_the_tiers_built_before(no_new_thread
     assert FailingOpenTier.primary_buffer_existed == [True]
     assert not os.path.exists(f"/dev/shm/{SHM_NAME}")
     spec.shutdown()
+
+
+def test_byte_sizes_take_units_in_every_config_of_ours() -> None:
+    from tiering.units import config_bytes
+
+    assert config_bytes("x", "8MiB") == 8 << 20 and config_bytes("x", 4096) == 4096
+    tier = MemoryTier(capacity_bytes="64KiB")
+    assert tier._capacity_bytes == 64 << 10
+    with pytest.raises(ConfigError, match=r"capacity_bytes.*not a size"):
+        MemoryTier(capacity_bytes="lots")
+    config = TieringConfig.from_extra_config(
+        {
+            "cpu_bytes_to_use": "8MiB",
+            "secondary_tiers": [{"type": "memory", "capacity_bytes": "1GB"}],
+        }
+    )
+    assert config.cpu_bytes_to_use == 8 << 20
