@@ -30,7 +30,6 @@ from typing import Any
 
 from tiering.errors import ConfigError
 from tiering.policies import POLICY_NAMES
-from tiering.units import config_bytes, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +247,8 @@ def check_host_memory(key: str, asked_bytes: int, memory: HostMemory | None = No
     """Raise :class:`ConfigError` naming ``key`` if ``asked_bytes`` is more than the host has
     available, before anything is allocated (an allocation that size would fail with ENOMEM
     after a traceback, or get the process killed later)."""
+    from tiering.units import format_bytes
+
     memory = memory if memory is not None else host_memory()
     if memory is None or asked_bytes <= memory.available_bytes:
         return
@@ -308,6 +309,8 @@ def _positive_int(extra: Mapping[str, Any], key: str, accepted: str) -> int:
 
 
 def _cpu_bytes(extra: Mapping[str, Any]) -> int:
+    from tiering.units import config_bytes  # tiering.units quotes values with shown()
+
     value = extra["cpu_bytes_to_use"]
     try:
         number = config_bytes("cpu_bytes_to_use", value)
