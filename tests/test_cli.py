@@ -553,3 +553,20 @@ def test_a_run_on_a_warm_persistent_root_says_so_and_compares_fairly(
     assert main(args[:-1]) == EXIT_OK
     out = " ".join(capsys.readouterr().out.split())
     assert "The cache started warm" in out and "an unlimited cache starting with the same" in out
+
+
+def test_the_printed_report_names_the_signal_that_stopped_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from tiering.replay.report import render_report
+
+    assert main(["replay", *SMALL, "--no-secondary", "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    report.update(interrupted=True, stopped_by="SIGTERM")
+    buffer = io.StringIO()
+    render_report(report, Console(file=buffer, width=120))
+    assert "Interrupted by SIGTERM: partial report" in buffer.getvalue()

@@ -444,9 +444,11 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
             )
         )
     if report["interrupted"]:
+        by = f" by {report['stopped_by']}" if report.get("stopped_by") else ""
         notes.append(
             Text(
-                "Interrupted: partial report of the requests replayed so far.", style="bold yellow"
+                f"Interrupted{by}: partial report of the requests replayed so far.",
+                style="bold yellow",
             )
         )
     console.print(Panel(Group(*notes), title="tiering replay", expand=False))
