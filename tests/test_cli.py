@@ -570,3 +570,20 @@ def test_the_printed_report_names_the_signal_that_stopped_it(
     buffer = io.StringIO()
     render_report(report, Console(file=buffer, width=120))
     assert "Interrupted by SIGTERM: partial report" in buffer.getvalue()
+
+
+def test_output_piped_into_a_reader_that_stops_early_is_not_an_error() -> None:
+    # Several MB of trace into a pipe whose reader leaves after one line: EPIPE, status 0.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tiering", "generate", "-", "--requests", "5000"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    assert json.loads(process.stdout.readline())["hash_ids"]
+    process.stdout.close()
+    err = process.stderr.read()
+    assert process.wait(timeout=120) == EXIT_OK, err
+    assert "Traceback" not in err and "error" not in err

@@ -831,6 +831,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _error(
                 args, exc, "out of memory (make cpu_bytes_to_use or the workload smaller)"
             )
+        except BrokenPipeError as exc:
+            if _tier_start_failure(exc) is not None:  # a tier's connection, not our stdout
+                return _error(args, exc)
+            # Output piped into e.g. `head`: not an error of ours.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return EXIT_OK
         except OSError as exc:  # e.g. the disk filled up writing --output
             return _error(
                 args,
@@ -843,11 +850,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             what = signal_name(signum) if signum is not None else "SIGINT"
             print(f"tiering {args.command}: interrupted by {what}", file=sys.stderr)
             return 128 + signum if signum is not None else EXIT_INTERRUPTED
-        except BrokenPipeError:
-            # Output piped into e.g. `head`: not an error of ours.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            return EXIT_OK
         except Exception as exc:
             if _tier_start_failure(exc) is not None:
                 return _error(args, exc)
