@@ -146,13 +146,14 @@ def test_only_directories_whose_owner_is_gone_are_removed(tmp_path: Path) -> Non
     alive = make(f"{PREFIX}{me}-jkl", f"{me} {my_start}\n")
     being_made = make(f"{PREFIX}{me}-mno", None)  # its owner has not written the record yet
     older_version = make(f"{PREFIX}pqr", None)  # no pid in the name: cannot tell, kept
+    older_digits = make(f"{PREFIX}{pid_max + 3}", None)  # an older name that is all digits
     not_ours = make("something-else-1", None)
     (tmp_path / f"{PREFIX}1-link").symlink_to(alive)  # a symlink is never followed
 
     removed = remove_stale_dirs(tmp_path)
     # This process's own directories are kept whatever they record (it is running).
     assert sorted(removed) == sorted([gone, gone_no_record])
-    for kept in (reused, alive, being_made, older_version, not_ours):
+    for kept in (reused, alive, being_made, older_version, older_digits, not_ours):
         assert kept.is_dir()
     assert (tmp_path / f"{PREFIX}1-link").is_symlink()
 

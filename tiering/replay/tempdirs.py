@@ -80,9 +80,11 @@ def remove_stale(parent: str | Path | None = None) -> list[Path]:
     for entry in entries:
         if not entry.name.startswith(PREFIX):
             continue
-        pid_text = entry.name[len(PREFIX) :].partition("-")[0]
-        if not pid_text.isdigit():
-            continue  # an older run's directory without a pid: cannot tell, leave it
+        pid_text, dash, _ = entry.name[len(PREFIX) :].partition("-")
+        if not dash or not pid_text.isdigit():
+            # An older version's directory ("tiering-replay-<random>", no pid): cannot tell
+            # whether its run is alive, so it is left alone.
+            continue
         try:
             info = entry.stat(follow_symlinks=False)
         except OSError:
