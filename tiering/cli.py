@@ -277,9 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SPEC",
         default=None,
-        help="a secondary tier, TYPE[:KEY=VALUE,...] or a JSON object; repeat for more tiers "
-        "(replaces the config's secondary_tiers). An fs tier without root_dir gets a "
-        "temporary directory.",
+        help="a secondary tier, TYPE[:KEY=VALUE,...] (TYPE may be module:Class, imported from "
+        "the working directory too) or a JSON object; repeat for more tiers (replaces the "
+        "config's secondary_tiers). An fs tier without root_dir gets a temporary directory.",
     )
     replay.add_argument(
         "--no-secondary", action="store_true", help="no secondary tiers: the CPU primary tier only"
