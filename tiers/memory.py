@@ -26,7 +26,6 @@ from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
 from tiering.policies import POLICY_NAMES, EvictionPolicy, make_policy
 from tiering.tier import AsyncTier, TierContext
-from tiering.units import config_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +62,8 @@ class MemoryTier(AsyncTier):
         if capacity_blocks is not None and capacity_bytes is not None:
             raise ConfigError("give capacity_blocks or capacity_bytes, not both")
         if capacity_bytes is not None:  # "8GiB" as well as bytes, as every size in our configs
+            from tiering.units import config_bytes
+
             capacity_bytes = config_bytes("capacity_bytes", capacity_bytes)
         bounds = (("capacity_blocks", capacity_blocks), ("capacity_bytes", capacity_bytes))
         for name, value in bounds:
