@@ -253,3 +253,12 @@ def test_a_restart_whose_journal_rewrite_meets_a_full_disk(
     line = one_error_line(capsys)
     assert "secondary_tiers[0] (type 'fs'): cannot start: OSError" in line
     assert "No space left on device" in line and "free space" in line
+
+
+def test_a_deeply_nested_tier_given_on_the_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tier = '{"type": "memory", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    assert replay("--tier", tier) == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert '--tier \'{"type": "memory", "x": [[[' in line and "JSON nested too deeply" in line

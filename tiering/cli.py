@@ -126,7 +126,9 @@ def parse_tier_spec(text: str) -> dict[str, Any]:
         try:
             entry = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"--tier {text!r}: invalid JSON ({exc.msg})") from None
+            raise UsageError(f"--tier {text[:80]!r}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise UsageError(f"--tier {text[:40]!r}...: JSON nested too deeply") from None
         if not isinstance(entry, dict):
             raise UsageError(f"--tier {text!r}: expected a JSON object")
         return entry
