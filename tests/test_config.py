@@ -127,6 +127,12 @@ def test_more_cpu_bytes_than_the_host_has_is_refused_before_allocating() -> None
     message = str(info.value)
     assert "cpu_bytes_to_use=32.0 GiB" in message and "23.0 GiB available of 24.0 GiB" in message
     check_host_memory("cpu_bytes_to_use", 22 * GIB, small)  # fits: no error
+    # A buffer shared with the workers must also fit in /dev/shm (64 MiB in a default container).
+    with pytest.raises(ConfigError) as info:
+        check_host_memory("cpu_bytes_to_use", 1 * GIB, small, shared=True, shm_free_bytes=64 << 20)
+    assert "does not fit in /dev/shm" in str(info.value) and "64.0 MiB free" in str(info.value)
+    assert "--shm-size" in str(info.value)
+    check_host_memory("cpu_bytes_to_use", 1 * GIB, small, shared=True, shm_free_bytes=2 * GIB)
     memory = host_memory()
     if memory is None:
         pytest.skip("this platform does not say how much memory it has")

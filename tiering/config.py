@@ -22,6 +22,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import os
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from tiering.policies import POLICY_NAMES
 logger = logging.getLogger(__name__)
 
 DEFAULT_EVICTION_POLICY = "lru"
+#: Where POSIX shared memory lives (a tmpfs with its own size limit).
+SHM_DIR = "/dev/shm"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 DEFAULT_FAILED_PROMOTION_BACKOFF_S = 10.0
 
@@ -243,21 +246,47 @@ def _cgroup_limit() -> tuple[int, int] | None:
         return None
 
 
-def check_host_memory(key: str, asked_bytes: int, memory: HostMemory | None = None) -> None:
+def check_host_memory(
+    key: str,
+    asked_bytes: int,
+    memory: HostMemory | None = None,
+    *,
+    shared: bool = False,
+    shm_free_bytes: int | None = None,
+) -> None:
     """Raise :class:`ConfigError` naming ``key`` if ``asked_bytes`` is more than the host has
     available, before anything is allocated (an allocation that size would fail with ENOMEM
-    after a traceback, or get the process killed later)."""
+    after a traceback, or get the process killed later).
+
+    With ``shared`` the buffer is a POSIX shared-memory object, which must also fit in
+    ``/dev/shm`` (a container's is often 64 MiB unless ``--shm-size`` says otherwise).
+    ``memory`` and ``shm_free_bytes`` override what the machine says (for tests).
+    """
     from tiering.units import format_bytes
 
     memory = memory if memory is not None else host_memory()
-    if memory is None or asked_bytes <= memory.available_bytes:
+    if memory is not None and asked_bytes > memory.available_bytes:
+        raise ConfigError(
+            f"{key}={format_bytes(asked_bytes)} ({asked_bytes} bytes) is more memory than this "
+            f"machine has available: {format_bytes(memory.available_bytes)} available of "
+            f"{format_bytes(memory.total_bytes)} ({memory.source}); lower {key} to fit "
+            "(the CPU primary tier allocates all of it up front)"
+        )
+    if not shared:
         return
-    raise ConfigError(
-        f"{key}={format_bytes(asked_bytes)} ({asked_bytes} bytes) is more memory than this "
-        f"machine has available: {format_bytes(memory.available_bytes)} available of "
-        f"{format_bytes(memory.total_bytes)} ({memory.source}); lower {key} to fit "
-        "(the CPU primary tier allocates all of it up front)"
-    )
+    if shm_free_bytes is None:
+        try:
+            shm = os.statvfs(SHM_DIR)
+        except OSError:
+            return
+        shm_free_bytes = shm.f_bavail * shm.f_frsize
+    if asked_bytes > shm_free_bytes:
+        raise ConfigError(
+            f"{key}={format_bytes(asked_bytes)} ({asked_bytes} bytes) does not fit in "
+            f"{SHM_DIR}, where the primary buffer is shared with the engine's workers: "
+            f"{format_bytes(shm_free_bytes)} free there; enlarge it (docker run --shm-size, "
+            f"a Kubernetes emptyDir with medium: Memory) or lower {key}"
+        )
 
 
 # -- value checks ---------------------------------------------------------------------------

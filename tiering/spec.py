@@ -99,7 +99,11 @@ class TieringOffloadingSpec:
                 f"layout_fingerprint must be a string, got {type(layout_fingerprint).__name__}"
             )
         self.num_blocks = self.geometry.num_blocks(self.config.cpu_bytes_to_use)
-        check_host_memory("cpu_bytes_to_use", self.num_blocks * self.geometry.block_bytes)
+        check_host_memory(
+            "cpu_bytes_to_use",
+            self.num_blocks * self.geometry.block_bytes,
+            shared=shared_name is not None,
+        )
         _check_tier_types(self.config)
         self.layout_fingerprint = layout_fingerprint
         self.enable_events = enable_events
