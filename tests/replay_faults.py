@@ -8,6 +8,7 @@ subprocess started from the repository root.
 from __future__ import annotations
 
 from tiering.testing.faults import FaultPlan, FaultyTier
+from tiering.tier import TierContext
 from tiers.memory import MemoryTier
 
 
@@ -26,3 +27,17 @@ class SlowMemoryTier(FaultyTier):
     def __init__(self, delay_s: float = 0.2, ops: str = "read") -> None:
         plan = FaultPlan(delay_rate=1.0, delay_s=delay_s, ops=set(ops.split(",")))
         super().__init__(MemoryTier(), plan)
+
+
+class OpenFailsTier(MemoryTier):
+    """A custom tier whose ``open`` raises, as one that needs an unreachable service would."""
+
+    async def open(self, context: TierContext) -> None:
+        raise RuntimeError("the license server said no")
+
+
+class FailingReadsMemoryTier(FaultyTier):
+    """Every read fails with EIO: each promotion from it is a failed tier job."""
+
+    def __init__(self) -> None:
+        super().__init__(MemoryTier(), FaultPlan(error_rate=1.0, ops={"read"}))

@@ -96,10 +96,57 @@ def test_cpu_bytes_to_use_is_required() -> None:
         TieringConfig.from_extra_config({"block_size": 16})
 
 
-@pytest.mark.parametrize("value", [0, -1, True, "10GB", 1.5, math.nan, math.inf, None, [1]])
+@pytest.mark.parametrize(
+    "value", [0, -1, True, "10 parsecs", "-8MiB", 1.5, math.nan, math.inf, None, [1], "0GiB"]
+)
 def test_bad_cpu_bytes_to_use(value: object) -> None:
     with pytest.raises(ConfigError, match=r"cpu_bytes_to_use must be a positive integer"):
         parse(cpu_bytes_to_use=value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("8MiB", 8 << 20), ("10GB", 10**10), ("1.5 KiB", 1536), ("4096", 4096), (1e9, 10**9)],
+)
+def test_cpu_bytes_to_use_takes_units(value: object, expected: int) -> None:
+    assert parse(cpu_bytes_to_use=value).cpu_bytes_to_use == expected
+
+
+@pytest.mark.parametrize("value", [1e30, 2**70, "1000000000 TiB"])
+def test_an_impossible_cpu_bytes_to_use_is_a_config_error(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use.*larger than any machine"):
+        parse(cpu_bytes_to_use=value)
+
+
+def test_more_cpu_bytes_than_the_host_has_is_refused_before_allocating() -> None:
+    from tiering.config import HostMemory, check_host_memory, host_memory
+
+    small = HostMemory(available_bytes=23 * GIB, total_bytes=24 * GIB, source="test")
+    with pytest.raises(ConfigError) as info:
+        check_host_memory("cpu_bytes_to_use", 32 * GIB, small)
+    message = str(info.value)
+    assert "cpu_bytes_to_use=32.0 GiB" in message and "23.0 GiB available of 24.0 GiB" in message
+    check_host_memory("cpu_bytes_to_use", 22 * GIB, small)  # fits: no error
+    # A buffer shared with the workers must also fit in /dev/shm (64 MiB in a default container).
+    with pytest.raises(ConfigError) as info:
+        check_host_memory("cpu_bytes_to_use", 1 * GIB, small, shared=True, shm_free_bytes=64 << 20)
+    assert "does not fit in /dev/shm" in str(info.value) and "64.0 MiB free" in str(info.value)
+    assert "--shm-size" in str(info.value)
+    check_host_memory("cpu_bytes_to_use", 1 * GIB, small, shared=True, shm_free_bytes=2 * GIB)
+    memory = host_memory()
+    if memory is None:
+        pytest.skip("this platform does not say how much memory it has")
+    assert 0 < memory.available_bytes <= memory.total_bytes
+    # Through the spec, before any memory is allocated: twice the machine's total.
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=.*more memory than this machine"):
+        TieringOffloadingSpec({"cpu_bytes_to_use": 2 * memory.total_bytes}, block_bytes=4096)
+
+
+def test_error_messages_cut_huge_values() -> None:
+    huge = ["x" * 1000] * 1000
+    with pytest.raises(ConfigError) as info:
+        parse(cpu_bytes_to_use=huge)
+    assert len(str(info.value)) < 400
 
 
 @pytest.mark.parametrize("value", [0, -16, False, "16", 2.5])
@@ -410,10 +457,35 @@ def test_tier_that_fails_to_open_shuts_down_the_tiers_built_before(no_new_thread
         shared_name=SHM_NAME,
         metrics_registry=False,
     )
-    with pytest.raises(OSError, match="no such device"):
+    with pytest.raises(OSError, match="no such device") as info:
         spec.get_manager()
+    # The error keeps its type and carries a note naming the tier (for the CLI's one line).
+    from tiering.registry import tier_start_failure
+
+    failure = tier_start_failure(info.value)
+    assert failure is not None and failure.startswith(
+        "secondary_tiers[2] (type 'tests.test_config:FailingOpenTier'): cannot start: "
+        "FileNotFoundError"
+    )
     # tiers #0 and #1 are shut down (their loop threads joined: the fixture checks), and the
     # primary tier's shared buffer, which existed while tier #2 opened, is unlinked
     assert FailingOpenTier.primary_buffer_existed == [True]
     assert not os.path.exists(f"/dev/shm/{SHM_NAME}")
     spec.shutdown()
+
+
+def test_byte_sizes_take_units_in_every_config_of_ours() -> None:
+    from tiering.units import config_bytes
+
+    assert config_bytes("x", "8MiB") == 8 << 20 and config_bytes("x", 4096) == 4096
+    tier = MemoryTier(capacity_bytes="64KiB")
+    assert tier._capacity_bytes == 64 << 10
+    with pytest.raises(ConfigError, match=r"capacity_bytes.*not a size"):
+        MemoryTier(capacity_bytes="lots")
+    config = TieringConfig.from_extra_config(
+        {
+            "cpu_bytes_to_use": "8MiB",
+            "secondary_tiers": [{"type": "memory", "capacity_bytes": "1GB"}],
+        }
+    )
+    assert config.cpu_bytes_to_use == 8 << 20

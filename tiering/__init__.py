@@ -5,6 +5,7 @@ seed contract's core types; the primary tier, the async tier runtime and the
 tiering manager live in their own modules.
 """
 
+from tiering._version import __version__
 from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiering.errors import (
     BlockNotFound,
@@ -26,6 +27,7 @@ from tiering.specs import (
 from tiering.tier import AsyncTier, TierContext
 
 __all__ = [
+    "__version__",
     "NO_CONTEXT",
     "AsyncTier",
     "BlockIDsLoadStoreSpec",

@@ -1,8 +1,11 @@
 """The ``tiering`` command: ``replay`` a KV-cache workload through the real stack,
 ``sweep`` hit rate against capacity, ``generate`` the built-in workload as a trace.
 
-Exit status: 0 success; 1 a loaded block did not hold the bytes stored; 2 bad input
-(trace, config, tier, output path); 130 interrupted (the partial report is still printed).
+Exit statuses (:data:`EXIT_STATUS_HELP`; ``replay --json`` says ``"ok": true`` exactly
+when the status is 0): 0 success; 1 a loaded block did not hold the bytes stored; 2 bad
+input or a tier that cannot start; 3 more tier failures than ``--max-tier-failures``;
+4 an internal error (a bug); 128 + the signal's number when stopped by SIGINT (130),
+SIGTERM (143) or SIGHUP (129), after the partial report.
 """
 
 from __future__ import annotations
@@ -11,24 +14,47 @@ import argparse
 import json
 import logging
 import os
+import stat
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiering.errors import ConfigError
-from tiering.replay.console import consoles, logging_to, progress_bar, stop_on_sigint
-from tiering.replay.units import parse_size
+from tiering.errors import ConfigError, TieringError
+from tiering.replay.console import Interrupted, SignalStop, consoles, logging_to, progress_bar
+from tiering.replay.tempdirs import ReplayTempDir
+from tiering.units import parse_size
 
 logger = logging.getLogger("tiering.cli")
 
 EXIT_OK = 0
-EXIT_FAILED = 1
+EXIT_WRONG_BYTES = 1
+EXIT_FAILED = EXIT_WRONG_BYTES  # the name before tier failures had their own status
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
+EXIT_TIER_FAILURES = 3
+EXIT_INTERNAL_ERROR = 4
+EXIT_INTERRUPTED = 130  # SIGINT; SIGTERM gives 143 and SIGHUP 129 (128 + the signal)
+
+EXIT_STATUS_HELP = """\
+exit status:
+  0    every loaded block held the bytes stored, and no more tier failures than
+       --max-tier-failures
+  1    a loaded block did not hold the bytes stored (wrong bytes served)
+  2    bad input: arguments, trace, config, a tier that cannot start
+  3    more tier failures (failed tier jobs + missing reads + tier timeouts) than
+       --max-tier-failures (default 0)
+  4    internal error (a bug; the traceback is printed)
+  130  stopped by SIGINT (Ctrl-C), 143 by SIGTERM, 129 by SIGHUP: the partial
+       report is printed, the run's temporary directory removed
+Wrong bytes (1) outrank a signal, which outranks tier failures (3).
+--json's "ok" is true exactly when the status is 0."""
+
+#: Longest error line printed (a message can quote a hostile value).
+MAX_ERROR_CHARS = 1000
 
 DEFAULT_BLOCK_BYTES = 32 * 1024
 
@@ -100,11 +126,17 @@ def parse_tier_spec(text: str) -> dict[str, Any]:
         try:
             entry = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise UsageError(f"--tier {text!r}: invalid JSON ({exc.msg})") from None
+            raise UsageError(f"--tier {text[:80]!r}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise UsageError(f"--tier {text[:40]!r}...: JSON nested too deeply") from None
         if not isinstance(entry, dict):
             raise UsageError(f"--tier {text!r}: expected a JSON object")
         return entry
     tier_type, _, rest = text.partition(":")
+    head, _, tail = rest.partition(":")
+    if head and "=" not in head and all(part.isidentifier() for part in head.split(".")):
+        # A "package.module:Class" type, optionally followed by ":KEY=VALUE,...".
+        tier_type, rest = f"{tier_type}:{head}", tail
     if not tier_type:
         raise UsageError(f"--tier {text!r}: expected TYPE[:KEY=VALUE,...] or a JSON object")
     entry = {"type": tier_type}
@@ -196,11 +228,22 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tiering import __version__
+
     parser = argparse.ArgumentParser(
         prog="tiering",
         description="KV-cache tiering: replay workloads through the real stack, size tiers.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more log output (-v: INFO and tracebacks of errors, -vv: DEBUG)",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     replay = commands.add_parser(
@@ -208,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay a trace (or the built-in workload) through the real tiering stack",
         description="Replay a KV-cache workload through a simulated GPU prefix cache, the CPU "
         "primary tier and the configured secondary tiers, verifying every loaded byte.",
+        epilog=EXIT_STATUS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_workload_args(replay)
     replay.add_argument(
@@ -241,9 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SPEC",
         default=None,
-        help="a secondary tier, TYPE[:KEY=VALUE,...] or a JSON object; repeat for more tiers "
-        "(replaces the config's secondary_tiers). An fs tier without root_dir gets a "
-        "temporary directory.",
+        help="a secondary tier, TYPE[:KEY=VALUE,...] (TYPE may be module:Class, imported from "
+        "the working directory too) or a JSON object; repeat for more tiers (replaces the "
+        "config's secondary_tiers). An fs tier without root_dir gets a temporary directory.",
     )
     replay.add_argument(
         "--no-secondary", action="store_true", help="no secondary tiers: the CPU primary tier only"
@@ -260,7 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=10.0,
         metavar="S",
-        help="seconds a request waits for promotions before loading what has landed",
+        help="seconds a request waits for promotions before loading what has landed (default 10)",
+    )
+    replay.add_argument(
+        "--max-tier-failures",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="tier failures (failed tier jobs + missing reads + tier timeouts) a run may have "
+        "and still exit 0; more exit with status 3 (default 0)",
     )
     replay.add_argument(
         "--store-wait",
@@ -325,13 +378,35 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate",
         help="write the built-in synthetic workload as a Mooncake JSONL trace",
+        description="Write the built-in synthetic chat workload (the one replay and sweep use "
+        "without a trace) as a Mooncake JSONL trace, one request per line.",
     )
     generate.add_argument("output", type=Path, help="trace file to write ('-' for stdout)")
-    generate.add_argument("--requests", type=_positive_int, metavar="N")
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--system-prompts", type=_positive_int, metavar="N")
-    generate.add_argument("--mean-turns", type=_positive_float, metavar="T")
-    generate.add_argument("--block-tokens", type=_positive_int, default=512, metavar="N")
+    generate.add_argument(
+        "--requests", type=_positive_int, metavar="N", help="number of requests (default 2000)"
+    )
+    generate.add_argument(
+        "--seed", type=int, default=0, help="seed: the same seed writes the same trace (default 0)"
+    )
+    generate.add_argument(
+        "--system-prompts",
+        type=_positive_int,
+        metavar="N",
+        help="number of shared system prompts conversations start from (default 8)",
+    )
+    generate.add_argument(
+        "--mean-turns",
+        type=_positive_float,
+        metavar="T",
+        help="mean turns per conversation (default 5)",
+    )
+    generate.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        default=512,
+        metavar="N",
+        help="tokens per trace block (default 512, as in the Mooncake traces)",
+    )
     return parser
 
 
@@ -367,10 +442,7 @@ def load_workload(args: argparse.Namespace) -> Workload:
             f"synthetic(seed={workload.seed}, requests={workload.num_requests})",
             workload.generate(),
         )
-    if args.trace.is_dir():
-        raise UsageError(f"trace {args.trace}: is a directory, not a trace file")
-    if not args.trace.is_file():
-        raise UsageError(f"trace {args.trace}: no such file")
+    check_trace_path(args.trace)
     try:
         requests = read_trace(args.trace, args.block_tokens)
     except OSError as exc:  # unreadable (permissions, I/O error): not a traceback
@@ -380,12 +452,43 @@ def load_workload(args: argparse.Namespace) -> Workload:
     return Workload(args.trace.name, requests)
 
 
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_trace_path(path: Path) -> None:
+    """Refuse what cannot be a trace, saying what it is: a missing path, a directory, a
+    device (``/dev/zero`` would be read forever), a socket. Regular files and pipes pass."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        if path.is_symlink():
+            raise UsageError(
+                f"trace {path}: is a symlink to {os.readlink(path)!r}, which does not exist"
+            ) from None
+        raise UsageError(f"trace {path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"trace {path}: cannot read it ({exc.strerror or exc})") from None
+    for is_kind, kind in _FILE_KINDS:
+        if is_kind(info.st_mode):
+            target = f" (a symlink to {os.path.realpath(path)})" if path.is_symlink() else ""
+            raise UsageError(f"trace {path}{target}: is {kind}, not a trace file")
+
+
 # -- replay -------------------------------------------------------------------------------------
 
 
 def _replay_config(
-    args: argparse.Namespace, footprint_blocks: int, temp_root: Path
+    args: argparse.Namespace, footprint_blocks: int, temp: ReplayTempDir
 ) -> dict[str, Any]:
+    """The run's ``kv_connector_extra_config``: the file's or the default, then the flags.
+
+    ``temp`` is made only if an fs tier has no ``root_dir`` of its own.
+    """
     from tiering.replay.stack import default_extra_config, load_config_file
 
     if args.config is not None:
@@ -394,7 +497,7 @@ def _replay_config(
         extra = default_extra_config(
             footprint_blocks=footprint_blocks,
             block_bytes=args.block_bytes,
-            fs_root=temp_root / "fs",
+            fs_root=None,
         )
     if args.cpu_bytes is not None:
         extra["cpu_bytes_to_use"] = args.cpu_bytes
@@ -410,7 +513,7 @@ def _replay_config(
     if isinstance(tiers, list):
         for position, entry in enumerate(tiers):
             if isinstance(entry, dict) and entry.get("type") == "fs" and "root_dir" not in entry:
-                entry["root_dir"] = str(temp_root / f"fs{position}")
+                entry["root_dir"] = str(temp.path / ("fs" if position == 0 else f"fs{position}"))
     return extra
 
 
@@ -427,16 +530,26 @@ class _ReplayRun:
     gpu_held: int
     secondary_names: list[str]
     runtime_stats: list[Any]
+    warm_blocks: set[int]  # the workload's blocks the secondary tiers held at the start
+    held_at_start: int  # blocks the secondary tiers held at the start
 
 
-def run_replay(args: argparse.Namespace) -> int:
+def run_replay(args: argparse.Namespace, signals: SignalStop) -> int:
+    from tiering.replay.tempdirs import remove_stale
+
     if args.output is not None:
         check_writable(args.output, "--output")
     out, err = consoles()
     with logging_to(err, args.verbose):
+        remove_stale()
         workload = load_workload(args)
-        run = _replay_workload(args, workload, err)
+        run = _replay_workload(args, workload, err, signals)
     report = _replay_report(args, workload, run)
+    status = replay_exit_status(report, args.max_tier_failures, signals.signum)
+    report["ok"] = status == EXIT_OK
+    report["exit_status"] = status
+    if signals.signum is not None:
+        report["stopped_by"] = signal_name(signals.signum)
     if args.output is not None:
         args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if args.json:
@@ -445,27 +558,73 @@ def run_replay(args: argparse.Namespace) -> int:
         from tiering.replay.report import render_report
 
         render_report(report, out)
-    if run.totals.mismatches:
-        return EXIT_FAILED
-    if run.totals.interrupted:
+    return status
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def tier_failure_count(report: dict[str, Any]) -> int:
+    """What ``--max-tier-failures`` bounds: failed tier jobs, missing reads, tier timeouts."""
+    failures = report["failures"]
+    return int(
+        failures["tier_job_failures"] + failures["missing_reads"] + failures["tier_timeouts"]
+    )
+
+
+def replay_exit_status(report: dict[str, Any], max_tier_failures: int, signum: int | None) -> int:
+    """The run's exit status (see :data:`EXIT_STATUS_HELP`); also records the tier failures
+    against their limit in ``report["tier_failures"]``."""
+    count = tier_failure_count(report)
+    report["tier_failures"] = {
+        "count": count,
+        "max_allowed": max_tier_failures,
+        "exceeded": count > max_tier_failures,
+    }
+    if report["verification"]["mismatches"]:
+        return EXIT_WRONG_BYTES
+    if signum is not None:
+        return 128 + signum
+    if report["interrupted"]:
         return EXIT_INTERRUPTED
+    if count > max_tier_failures:
+        return EXIT_TIER_FAILURES
     return EXIT_OK
 
 
-def _replay_workload(args: argparse.Namespace, workload: Workload, err: Any) -> _ReplayRun:
+def _replay_workload(
+    args: argparse.Namespace, workload: Workload, err: Any, signals: SignalStop
+) -> _ReplayRun:
     """Build the stack, replay the workload with a progress bar, shut the stack down."""
     from tiering.replay.replayer import Replayer, ReplayTotals
     from tiering.replay.stack import build_stack, default_gpu_blocks
     from tiering.replay.trace import trace_footprint
+    from tiering.replay.warm import blocks_held_at_start, cached_at_start
 
     footprint = trace_footprint(workload.requests)
     gpu_blocks = args.gpu_blocks if args.gpu_blocks is not None else default_gpu_blocks(footprint)
     total = len(workload.requests)
     stop = threading.Event()
-    with tempfile.TemporaryDirectory(prefix="tiering-replay-") as temp, stop_on_sigint(stop):
-        extra = _replay_config(args, footprint, Path(temp))
+    with ReplayTempDir() as temp, signals.clean_stop(stop):
+        extra = _replay_config(args, footprint, temp)
         stack = build_stack(extra, block_bytes=args.block_bytes, block_tokens=args.block_tokens)
         try:
+            held_at_start = blocks_held_at_start(stack)
+            warm = (
+                cached_at_start(stack, {h for r in workload.requests for h in r.hash_ids})
+                if held_at_start
+                else set()
+            )
+            if held_at_start:
+                logger.info(
+                    "the cache starts warm: the secondary tiers hold %d blocks, %d of them "
+                    "this workload's",
+                    held_at_start,
+                    len(warm),
+                )
             replayer = Replayer(
                 stack,
                 gpu_blocks=gpu_blocks,
@@ -475,8 +634,10 @@ def _replay_workload(args: argparse.Namespace, workload: Workload, err: Any) -> 
                 store_chunk_blocks=args.chunk_blocks,
                 store_wait_s=args.store_wait,
             )
+            # Tests wait for this line before signalling: every handler is in place by now.
             logger.info(
-                "replaying %d requests of %s (Ctrl-C stops with a partial report)",
+                "replaying %d requests of %s (Ctrl-C, SIGTERM or SIGHUP stop with a partial "
+                "report)",
                 total,
                 workload.name,
             )
@@ -506,6 +667,8 @@ def _replay_workload(args: argparse.Namespace, workload: Workload, err: Any) -> 
         gpu_held=len(replayer.gpu),
         secondary_names=[name for name, _ in stack.secondary],
         runtime_stats=[_runtime_stats(tier) for _, tier in stack.secondary],
+        warm_blocks=warm,
+        held_at_start=held_at_start,
     )
 
 
@@ -513,6 +676,7 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
     from tiering.replay.offline import unlimited_hit_rate
     from tiering.replay.report import build_report
     from tiering.replay.stack import IGNORED_FOR_REPLAY, configured_capacity, tier_summary
+    from tiering.replay.warm import unlimited_hit_rate_from
 
     extra = run.extra_config
     tiers = extra.get("secondary_tiers") or []
@@ -531,10 +695,19 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
         "ignored_config_keys": [key for key in IGNORED_FOR_REPLAY if key in extra],
     }
     replayed = workload.requests[: run.totals.requests_done]
-    return build_report(
+    cold = unlimited_hit_rate(replayed, args.block_tokens)
+    setup["warm_start"] = {
+        "blocks_held": run.held_at_start,
+        "workload_blocks_held": len(run.warm_blocks),
+        # A cache that starts warm is compared with an unlimited one starting the same.
+        "unlimited_from_cold": cold.token_hit_rate,
+    }
+    report = build_report(
         totals=run.totals,
         stats=run.stats,
-        unlimited=unlimited_hit_rate(replayed, args.block_tokens),
+        unlimited=unlimited_hit_rate_from(replayed, run.warm_blocks, args.block_tokens)
+        if run.warm_blocks
+        else cold,
         trace_name=workload.name,
         footprint_blocks=run.footprint_blocks,
         block_tokens=args.block_tokens,
@@ -547,6 +720,7 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
         runtime_stats=run.runtime_stats,
         configured_capacities=[configured_capacity(t, args.block_bytes) for t in tiers],
     )
+    return report
 
 
 def _runtime_stats(tier: object) -> Any:
@@ -627,7 +801,7 @@ def _policy_setting(text: str, option: str) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def run_sweep_command(args: argparse.Namespace) -> int:
+def run_sweep_command(args: argparse.Namespace, signals: SignalStop) -> int:
     from tiering.policies import POLICY_NAMES, PolicyChoice, resolve_policy, split_policy_list
     from tiering.replay import sweep as sweeping
     from tiering.replay.trace import trace_footprint
@@ -666,7 +840,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     )
     stop = threading.Event()
     steps = len(set(capacities)) * (len(policies) + 1)
-    with progress_bar(err, args.no_progress) as progress, stop_on_sigint(stop):
+    with progress_bar(err, args.no_progress) as progress, signals.clean_stop(stop):
         task = progress.add_task("sweep", total=steps, status="")
 
         def on_step(name: str, capacity: int) -> None:
@@ -700,13 +874,13 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             out.print("Wrote " + ", ".join(str(p) for p in outputs.values()))
         else:
             out.print("Interrupted before the first capacity finished: nothing written.")
-    return EXIT_INTERRUPTED if stop.is_set() else EXIT_OK
+    return signals.exit_status if signals.signum is not None else EXIT_OK
 
 
 # -- generate -----------------------------------------------------------------------------------
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def run_generate(args: argparse.Namespace, signals: SignalStop) -> int:
     from tiering.replay.trace import write_trace
 
     if str(args.output) != "-":
@@ -725,25 +899,81 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``tiering`` command; returns the exit status."""
+    """Run the ``tiering`` command; returns the exit status (see :data:`EXIT_STATUS_HELP`)."""
     from tiering.replay.trace import TraceError
 
+    _put_working_directory_on_path()
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"replay": run_replay, "sweep": run_sweep_command, "generate": run_generate}
-    try:
-        return commands[args.command](args)
-    except (UsageError, ConfigError, TraceError) as exc:
-        print(f"tiering {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"tiering {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # Output piped into e.g. `head`: not an error of ours.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_OK
+    with SignalStop() as signals:
+        try:
+            return commands[args.command](args, signals)
+        except (UsageError, ConfigError, TraceError, TieringError) as exc:
+            return _error(args, exc)
+        except RecursionError as exc:  # a hostile input nested deeper than any real one
+            return _error(args, exc, "input nested too deeply to read")
+        except MemoryError as exc:
+            return _error(
+                args, exc, "out of memory (make cpu_bytes_to_use or the workload smaller)"
+            )
+        except BrokenPipeError as exc:
+            if _tier_start_failure(exc) is not None:  # a tier's connection, not our stdout
+                return _error(args, exc)
+            # Output piped into e.g. `head`: not an error of ours.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return EXIT_OK
+        except OSError as exc:  # e.g. the disk filled up writing --output
+            return _error(
+                args,
+                exc,
+                f"{exc.strerror or exc}"
+                + (f": {exc.filename}" if getattr(exc, "filename", None) else ""),
+            )
+        except KeyboardInterrupt as exc:
+            signum = exc.signum if isinstance(exc, Interrupted) else signals.signum
+            what = signal_name(signum) if signum is not None else "SIGINT"
+            print(f"tiering {args.command}: interrupted by {what}", file=sys.stderr)
+            return 128 + signum if signum is not None else EXIT_INTERRUPTED
+        except Exception as exc:
+            if _tier_start_failure(exc) is not None:
+                return _error(args, exc)
+            traceback.print_exc()
+            print(
+                f"tiering {args.command}: internal error (a bug: please report it with the "
+                "traceback above)",
+                file=sys.stderr,
+            )
+            return EXIT_INTERNAL_ERROR
+
+
+def _error(args: argparse.Namespace, exc: BaseException, message: str | None = None) -> int:
+    """Print one line for ``exc`` (its traceback first with ``-v``); the bad-input status."""
+    if args.verbose:
+        traceback.print_exception(exc)
+    tier_failure = _tier_start_failure(exc)
+    if tier_failure is not None:  # the tier, the cause and the fix
+        message = tier_failure + ("" if args.verbose else " (-v shows the traceback)")
+    text = " ".join((message or str(exc) or type(exc).__name__).split())
+    if len(text) > MAX_ERROR_CHARS:
+        text = text[:MAX_ERROR_CHARS] + f"... ({len(text) - MAX_ERROR_CHARS} more characters)"
+    print(f"tiering {args.command}: error: {text}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _tier_start_failure(exc: BaseException) -> str | None:
+    from tiering.registry import tier_start_failure
+
+    return tier_start_failure(exc)
+
+
+def _put_working_directory_on_path() -> None:
+    """Make ``module:Class`` tiers in the working directory importable, as ``python -m
+    tiering`` does (the ``tiering`` script's ``sys.path[0]`` is the script's directory)."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 if __name__ == "__main__":

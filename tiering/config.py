@@ -22,6 +22,8 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import os
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -33,6 +35,8 @@ from tiering.policies import PolicyChoice, resolve_admission, resolve_policy
 logger = logging.getLogger(__name__)
 
 DEFAULT_EVICTION_POLICY = "lru"
+#: Where POSIX shared memory lives (a tmpfs with its own size limit).
+SHM_DIR = "/dev/shm"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 DEFAULT_FAILED_PROMOTION_BACKOFF_S = 10.0
 
@@ -98,9 +102,7 @@ class TieringConfig:
             )
         policy = _eviction_policy(extra_config)
         return cls(
-            cpu_bytes_to_use=_positive_int(
-                extra_config, "cpu_bytes_to_use", "a positive integer number of bytes"
-            ),
+            cpu_bytes_to_use=_cpu_bytes(extra_config),
             block_size=_optional_block_size(extra_config),
             eviction_policy=policy.label,
             policy=policy,
@@ -191,7 +193,135 @@ class BlockGeometry:
         return count
 
 
+# -- the host's memory ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HostMemory:
+    """Memory this process can still take: ``available_bytes`` of ``total_bytes``,
+    ``source`` saying where the figure comes from (for messages)."""
+
+    available_bytes: int
+    total_bytes: int
+    source: str
+
+
+def host_memory() -> HostMemory | None:
+    """What this machine (or its cgroup, if that is tighter) has available; None if unknown.
+
+    Linux's ``MemAvailable`` counts free memory plus what the kernel can reclaim
+    (page cache), which is what a new buffer can be given without swapping; a
+    container's ``memory.max`` (cgroup v2) caps it further.
+    """
+    meminfo = _read_meminfo()
+    if meminfo is None:
+        return None
+    available, total = meminfo
+    memory = HostMemory(available, total, "MemAvailable in /proc/meminfo")
+    limit = _cgroup_limit()
+    if limit is not None:
+        cgroup_max, cgroup_used = limit
+        if cgroup_max - cgroup_used < memory.available_bytes:
+            memory = HostMemory(
+                max(0, cgroup_max - cgroup_used), cgroup_max, "this container's cgroup memory.max"
+            )
+    return memory
+
+
+def _read_meminfo() -> tuple[int, int] | None:
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    fields[name] = int(parts[0]) * 1024  # the file says kB, meaning KiB
+    except (OSError, ValueError):
+        return None
+    if "MemAvailable" not in fields or "MemTotal" not in fields:
+        return None
+    return fields["MemAvailable"], fields["MemTotal"]
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as cgroup:
+            relative = next((line.strip()[3:] for line in cgroup if line.startswith("0::")), None)
+        if relative is None:
+            return None
+        base = "/sys/fs/cgroup" + relative.rstrip("/")
+        with open(base + "/memory.max", encoding="ascii") as limit_file:
+            limit = limit_file.read().strip()
+        if limit == "max":
+            return None
+        with open(base + "/memory.current", encoding="ascii") as current_file:
+            current = int(current_file.read().strip())
+        return int(limit), current
+    except (OSError, ValueError):
+        return None
+
+
+def check_host_memory(
+    key: str,
+    asked_bytes: int,
+    memory: HostMemory | None = None,
+    *,
+    shared: bool = False,
+    shm_free_bytes: int | None = None,
+) -> None:
+    """Raise :class:`ConfigError` naming ``key`` if ``asked_bytes`` is more than the host has
+    available, before anything is allocated (an allocation that size would fail with ENOMEM
+    after a traceback, or get the process killed later).
+
+    With ``shared`` the buffer is a POSIX shared-memory object, which must also fit in
+    ``/dev/shm`` (a container's is often 64 MiB unless ``--shm-size`` says otherwise).
+    ``memory`` and ``shm_free_bytes`` override what the machine says (for tests).
+    """
+    from tiering.units import format_bytes
+
+    memory = memory if memory is not None else host_memory()
+    if memory is not None and asked_bytes > memory.available_bytes:
+        raise ConfigError(
+            f"{key}={format_bytes(asked_bytes)} ({asked_bytes} bytes) is more memory than this "
+            f"machine has available: {format_bytes(memory.available_bytes)} available of "
+            f"{format_bytes(memory.total_bytes)} ({memory.source}); lower {key} to fit "
+            "(the CPU primary tier allocates all of it up front)"
+        )
+    if not shared:
+        return
+    if shm_free_bytes is None:
+        try:
+            shm = os.statvfs(SHM_DIR)
+        except OSError:
+            return
+        shm_free_bytes = shm.f_bavail * shm.f_frsize
+    if asked_bytes > shm_free_bytes:
+        raise ConfigError(
+            f"{key}={format_bytes(asked_bytes)} ({asked_bytes} bytes) does not fit in "
+            f"{SHM_DIR}, where the primary buffer is shared with the engine's workers: "
+            f"{format_bytes(shm_free_bytes)} free there; enlarge it (docker run --shm-size, "
+            f"a Kubernetes emptyDir with medium: Memory) or lower {key}"
+        )
+
+
 # -- value checks ---------------------------------------------------------------------------
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel = 3
+_SHOWN.maxstring = 60
+_SHOWN.maxother = 80
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+_SHOWN.maxlong = 40
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` cut to a readable length, for error messages.
+
+    A config value can be huge (a long string, or a YAML structure that aliases
+    expand): messages show its start, never the whole thing.
+    """
+    return _SHOWN.repr(value)
 
 
 def _not_int(value: object) -> bool:
@@ -219,7 +349,25 @@ def _positive_int(extra: Mapping[str, Any], key: str, accepted: str) -> int:
     value = extra[key]
     number = _integral(value)
     if number is None or number <= 0:
-        raise ConfigError(f"{key} must be {accepted}, got {value!r}")
+        raise ConfigError(f"{key} must be {accepted}, got {shown(value)}")
+    return number
+
+
+def _cpu_bytes(extra: Mapping[str, Any]) -> int:
+    from tiering.units import config_bytes  # tiering.units quotes values with shown()
+
+    value = extra["cpu_bytes_to_use"]
+    try:
+        number = config_bytes("cpu_bytes_to_use", value)
+    except ConfigError as exc:
+        if "larger than any machine" in str(exc):
+            raise
+        number = 0
+    if number <= 0:
+        raise ConfigError(
+            "cpu_bytes_to_use must be a positive integer number of bytes or a size with a "
+            f"unit (e.g. 10737418240 or '10GiB'), got {shown(value)}"
+        )
     return number
 
 
@@ -267,13 +415,13 @@ def _secondary_tiers(extra: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
         if not isinstance(tier_type, str) or not tier_type.strip():
             raise ConfigError(
                 f"secondary_tiers[{position}].type is required: a non-empty string naming a "
-                f"registered tier type or 'package.module:Class', got {tier_type!r}"
+                f"registered tier type or 'package.module:Class', got {shown(tier_type)}"
             )
         bad_keys = [k for k in entry if not isinstance(k, str)]
         if bad_keys:
             raise ConfigError(
                 f"secondary_tiers[{position}] ({tier_type}): keys must be strings, "
-                f"got {bad_keys[0]!r}"
+                f"got {shown(bad_keys[0])}"
             )
         tiers.append(MappingProxyType(dict(entry)))
     return tuple(tiers)
@@ -283,7 +431,9 @@ def _store_threshold(extra: Mapping[str, Any]) -> int:
     value = _get(extra, "store_threshold", 0)
     number = _integral(value)
     if number is None or number < 0:
-        raise ConfigError(f"store_threshold must be 0 or 1 (store on first offload), got {value!r}")
+        raise ConfigError(
+            f"store_threshold must be 0 or 1 (store on first offload), got {shown(value)}"
+        )
     if number >= 2:
         raise ConfigError(
             f"store_threshold={number} is not supported by the tiering spec: blocks are "
@@ -302,14 +452,14 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float, *, positive: bo
         or (positive and value == 0)
     ):
         kind = "a positive" if positive else "a non-negative"
-        raise ConfigError(f"{key} must be {kind} finite number of seconds, got {value!r}")
+        raise ConfigError(f"{key} must be {kind} finite number of seconds, got {shown(value)}")
     return float(value)
 
 
 def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
     value = _get(extra, key, default)
     if not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
+        raise ConfigError(f"{key} must be true or false, got {shown(value)}")
     return value
 
 
@@ -320,7 +470,7 @@ def _warn_about_likely_typos(extra: Mapping[str, Any]) -> None:
         close = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=0.8)
         if close:
             logger.warning(
-                "kv_connector_extra_config key %r is not used by kv-tiering; did you mean %r?",
-                key,
+                "kv_connector_extra_config key %s is not used by kv-tiering; did you mean %r?",
+                shown(key),
                 close[0],
             )

@@ -39,6 +39,7 @@ its type and the offending key, and listing what is accepted.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.metadata
 import inspect
@@ -293,7 +294,8 @@ def create_secondary_tier(
     ``position`` is the entry's index in ``secondary_tiers`` (for messages).
     Configuration mistakes raise :class:`~tiering.errors.ConfigError` naming
     the position, the type and the offending key, before anything is
-    started; an error opening the tier propagates as the tier raised it.
+    started; an error opening the tier propagates as the tier raised it, with
+    a note (:func:`tier_start_failure`) naming the tier, the cause and the fix.
     """
     tier_class, options, config, where = check_tier_config(config, position=position)
     type_name = config["type"]
@@ -316,6 +318,46 @@ def create_secondary_tier(
         )
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+    except Exception as exc:
+        exc.add_note(_TIER_START_NOTE + _start_failure(where, exc, config))
+        raise
+
+
+_TIER_START_NOTE = "kv-tiering: "
+
+
+def tier_start_failure(exc: BaseException) -> str | None:
+    """One line naming the tier whose start raised ``exc``, the cause and the fix; None if
+    ``exc`` did not come from starting a tier (see :func:`create_secondary_tier`)."""
+    for note in getattr(exc, "__notes__", ()):
+        if isinstance(note, str) and note.startswith(_TIER_START_NOTE):
+            return note[len(_TIER_START_NOTE) :]
+    return None
+
+
+def _start_failure(where: str, exc: Exception, config: Mapping[str, Any]) -> str:
+    """``where``, what went wrong opening the tier, and what to do about it, on one line."""
+    cause = " ".join(str(exc).split()) or type(exc).__name__
+    if len(cause) > 500:  # a tier's message can quote anything; keep the line readable
+        cause = cause[:500] + "..."
+    if isinstance(exc, TimeoutError):
+        limit = config.get("open_timeout_s", 30.0)
+        return (
+            f"{where}: did not open within open_timeout_s={limit} s ({cause}); check that "
+            "what it connects to is up, or raise open_timeout_s"
+        )
+    hint = _OS_ERROR_HINTS.get(exc.errno or 0) if isinstance(exc, OSError) else None
+    return f"{where}: cannot start: {type(exc).__name__}: {cause}" + (f"; {hint}" if hint else "")
+
+
+_OS_ERROR_HINTS = {
+    errno.ENOSPC: "free space on that filesystem or give the tier a root_dir on another one",
+    errno.EDQUOT: "free space within your quota or give the tier a root_dir elsewhere",
+    errno.EACCES: "give the tier a path this user may write to",
+    errno.EPERM: "give the tier a path this user may write to",
+    errno.EROFS: "the filesystem is read-only: give the tier a root_dir on a writable one",
+    errno.ENOMEM: "the machine is out of memory: make the tier (or cpu_bytes_to_use) smaller",
+}
 
 
 __all__ = [
@@ -329,5 +371,6 @@ __all__ = [
     "register_tier_type",
     "resolve_tier_class",
     "tier_options",
+    "tier_start_failure",
     "unregister_tier_type",
 ]

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from tiering.config import BlockGeometry, TieringConfig
+from tiering.config import BlockGeometry, TieringConfig, check_host_memory
 from tiering.errors import ConfigError, TierClosedError
 from tiering.jobs import SecondaryTierManager
 from tiering.manager import TieringOffloadingManager
@@ -99,6 +99,11 @@ class TieringOffloadingSpec:
                 f"layout_fingerprint must be a string, got {type(layout_fingerprint).__name__}"
             )
         self.num_blocks = self.geometry.num_blocks(self.config.cpu_bytes_to_use)
+        check_host_memory(
+            "cpu_bytes_to_use",
+            self.num_blocks * self.geometry.block_bytes,
+            shared=shared_name is not None,
+        )
         _check_tier_types(self.config)
         self.layout_fingerprint = layout_fingerprint
         self.enable_events = enable_events

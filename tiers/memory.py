@@ -15,7 +15,7 @@ thread keeps running Python while this tier copies.
 
 Config (``secondary_tiers`` entry)::
 
-    {"type": "memory", "capacity_bytes": 8 << 30, "eviction_policy": "arc"}
+    {"type": "memory", "capacity_bytes": "8GiB", "eviction_policy": "arc"}
 """
 
 from __future__ import annotations
@@ -45,11 +45,12 @@ class MemoryTier(AsyncTier):
     """Blocks held in this process's memory, optionally bounded with eviction.
 
     ``capacity_blocks`` or ``capacity_bytes`` (not both) bounds the tier; the
-    byte bound is turned into whole blocks at :meth:`open`. A bounded tier
-    keeps its blocks in fixed slots of one anonymous memory mapping (pages are
-    touched on first use, and an evicted block's slot is reused, so a tier in
-    steady state allocates nothing); an unbounded one keeps one ``bytes`` per
-    block. ``eviction_policy`` names the policy choosing victims. Reads and
+    byte bound (bytes, or a size like ``"8GiB"``) is turned into whole blocks
+    at :meth:`open`. A bounded tier keeps its blocks in fixed slots of one
+    anonymous memory mapping (pages are touched on first use, and an evicted
+    block's slot is reused, so a tier in steady state allocates nothing); an
+    unbounded one keeps one ``bytes`` per block. ``eviction_policy`` names the
+    policy choosing victims. Reads and
     writes count as uses for the policy; :meth:`touch` too.
     """
 
@@ -59,11 +60,15 @@ class MemoryTier(AsyncTier):
         self,
         *,
         capacity_blocks: int | None = None,
-        capacity_bytes: int | None = None,
+        capacity_bytes: int | str | None = None,
         eviction_policy: str | Mapping[str, Any] | PolicyChoice = "lru",
     ) -> None:
         if capacity_blocks is not None and capacity_bytes is not None:
             raise ConfigError("give capacity_blocks or capacity_bytes, not both")
+        if capacity_bytes is not None:  # "8GiB" as well as bytes, as every size in our configs
+            from tiering.units import config_bytes
+
+            capacity_bytes = config_bytes("capacity_bytes", capacity_bytes)
         bounds = (("capacity_blocks", capacity_blocks), ("capacity_bytes", capacity_bytes))
         for name, value in bounds:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

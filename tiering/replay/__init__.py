@@ -6,7 +6,10 @@
 * :mod:`~tiering.replay.replayer`: the GPU prefix cache driving the real manager;
 * :mod:`~tiering.replay.stack`: building that stack from ``kv_connector_extra_config``;
 * :mod:`~tiering.replay.report`: the report (JSON and rich tables);
-* :mod:`~tiering.replay.sweep`: hit rate against capacity, with plot.
+* :mod:`~tiering.replay.sweep`: hit rate against capacity, with plot;
+* :mod:`~tiering.replay.warm`: a run that starts on a warm cache, compared fairly;
+* :mod:`~tiering.replay.tempdirs`: the run's temporary directory, and leftovers of dead runs;
+* :mod:`~tiering.replay.console`: consoles, logging, progress and stop signals.
 
 Nothing here imports torch or vLLM.
 """

@@ -97,20 +97,72 @@ def progress_bar(console: Console, disable: bool) -> Progress:
     )
 
 
-@contextlib.contextmanager
-def stop_on_sigint(stop: threading.Event) -> Iterator[None]:
-    """First Ctrl-C sets ``stop`` (a clean stop); a second one interrupts at once."""
+#: The signals that stop a run the way Ctrl-C does: ``timeout``, systemd and ``docker
+#: stop`` send SIGTERM, a closed terminal SIGHUP.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        stop.set()
 
-    try:
-        previous = signal.signal(signal.SIGINT, handler)
-    except ValueError:  # not the main thread: no signal handling
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+class Interrupted(KeyboardInterrupt):
+    """A stop signal arrived where the run cannot stop cleanly (or a second one arrived)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class SignalStop:
+    """SIGINT, SIGTERM and SIGHUP, handled alike for the whole command.
+
+    While a :meth:`clean_stop` block runs (the replay or the sweep loop), the
+    first signal only sets its event, so the loop ends after the current step and
+    the partial report is still printed; outside such a block, and for a second
+    signal, :class:`Interrupted` is raised at once, so ``with`` blocks (the temp
+    directory, the stack) still clean up on the way out. ``signum`` is the first
+    signal received (for the exit status, 128 + signum).
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._stop: threading.Event | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalStop:
+        try:
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self._restore()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if first and self._stop is not None:
+            self._stop.set()
+            return
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def clean_stop(self, stop: threading.Event) -> Iterator[None]:
+        """Within the block, a first signal sets ``stop`` instead of raising."""
+        self._stop = stop
+        if self.signum is not None:
+            stop.set()
+        try:
+            yield
+        finally:
+            self._stop = None
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal's number (130 SIGINT, 143 SIGTERM, 129 SIGHUP), as shells report."""
+        return 128 + (self.signum if self.signum is not None else signal.SIGINT)

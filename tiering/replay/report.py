@@ -274,11 +274,27 @@ def _ms(seconds_in_ms: float) -> str:
     return f"{seconds_in_ms:.2f}"
 
 
-def _tier_tables(report: Mapping[str, Any], block_bytes: int) -> tuple[Table, Table]:
+#: Narrower consoles get fewer columns (and no byte amounts) instead of cut-off cells.
+WIDE_CONSOLE = 100
+
+
+def _add_columns(table: Table, columns: Sequence[str], text_columns: Sequence[str]) -> None:
+    """Numbers never wrap or get cut; text columns (names) fold when space is short."""
+    for column in columns:
+        if column in text_columns:
+            table.add_column(column, justify="left", overflow="fold")
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
+
+
+def _tier_tables(
+    report: Mapping[str, Any], block_bytes: int, *, wide: bool = True
+) -> tuple[Table, Table]:
     hit = report["hit_rate"]
     hits = Table(title="Prefix hits by tier (token-weighted)", title_justify="left")
-    for column in ("tier", "medium", "capacity", "held", "hit rate", "hit blocks"):
-        hits.add_column(column, justify="left" if column in ("tier", "medium") else "right")
+    _add_columns(
+        hits, ("tier", "medium", "capacity", "held", "hit rate", "hit blocks"), ("tier", "medium")
+    )
     moved = Table(
         title="Blocks moved",
         title_justify="left",
@@ -286,11 +302,16 @@ def _tier_tables(report: Mapping[str, Any], block_bytes: int) -> tuple[Table, Ta
         "promoted: secondary->CPU; MB/s: per job, while the tier worked on it",
         caption_justify="left",
     )
-    for column in ("tier", "stored", "promoted", "evicted", "failures", "store MB/s", "load MB/s"):
-        moved.add_column(column, justify="left" if column == "tier" else "right")
+    _add_columns(
+        moved,
+        ("tier", "stored", "promoted", "evicted", "failures", "store MB/s", "load MB/s"),
+        ("tier",),
+    )
 
     def amount(blocks: int | None) -> str:
-        return "-" if blocks is None else f"{blocks:,} ({format_bytes(blocks * block_bytes)})"
+        if blocks is None:
+            return "-"
+        return f"{blocks:,} ({format_bytes(blocks * block_bytes)})" if wide else f"{blocks:,}"
 
     for tier in report["tiers"]:
         hits.add_row(
@@ -326,7 +347,22 @@ _OPERATIONS = {
 }
 
 
-def _latency_table(report: Mapping[str, Any]) -> Table:
+_LATENCY_COLUMNS = (
+    "operation",
+    "calls",
+    "blocks",
+    "p50 ms",
+    "p90 ms",
+    "p99 ms",
+    "max ms",
+    "blocks/s",
+    "MB/s",
+)
+#: Left out on a narrow console (p50, p99 and max still bound the distribution).
+_NARROW_DROPS = ("p90 ms", "blocks/s")
+
+
+def _latency_table(report: Mapping[str, Any], *, wide: bool = True) -> Table:
     table = Table(
         title="Transfers as the scheduler sees them (per request)",
         title_justify="left",
@@ -336,31 +372,26 @@ def _latency_table(report: Mapping[str, Any]) -> Table:
         "in-flight cascades to free primary blocks",
         caption_justify="left",
     )
-    for column in (
-        "operation",
-        "calls",
-        "blocks",
-        "p50 ms",
-        "p90 ms",
-        "p99 ms",
-        "max ms",
-        "blocks/s",
-        "MB/s",
-    ):
-        table.add_column(column, justify="left" if column == "operation" else "right")
+    columns = [c for c in _LATENCY_COLUMNS if wide or c not in _NARROW_DROPS]
+    for column in columns:
+        if column == "operation":
+            table.add_column(column, justify="left", no_wrap=True, min_width=14)
+        else:
+            table.add_column(column, justify="right", no_wrap=True)
     for key, label in _OPERATIONS.items():
         row = report["latency"][key]
-        table.add_row(
-            label,
-            f"{row['count']:,}",
-            f"{row['blocks']:,}",
-            _ms(row["p50_ms"]),
-            _ms(row["p90_ms"]),
-            _ms(row["p99_ms"]),
-            _ms(row["max_ms"]),
-            f"{row['blocks_per_s']:,.0f}",
-            f"{row['mb_per_s']:,.0f}",
-        )
+        cells = {
+            "operation": label,
+            "calls": f"{row['count']:,}",
+            "blocks": f"{row['blocks']:,}",
+            "p50 ms": _ms(row["p50_ms"]),
+            "p90 ms": _ms(row["p90_ms"]),
+            "p99 ms": _ms(row["p99_ms"]),
+            "max ms": _ms(row["max_ms"]),
+            "blocks/s": f"{row['blocks_per_s']:,.0f}",
+            "MB/s": f"{row['mb_per_s']:,.0f}",
+        }
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
@@ -383,11 +414,27 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
             f"{format_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}); secondary: "
             + (", ".join(setup["secondary_summary"]) or "none")
         ),
-        Text(
-            f"Total hit rate {_pct(hit['total'])} = {_pct(hit['fraction_of_unlimited'])} of the "
-            f"{_pct(hit['unlimited'])} an unlimited cache gets on the same requests."
-        ),
     ]
+    warm = setup.get("warm_start") or {}
+    if warm.get("blocks_held"):
+        notes.append(
+            Text(
+                f"The cache started warm: the secondary tiers held {warm['blocks_held']:,} "
+                f"blocks, {warm['workload_blocks_held']:,} of them this workload's (a persistent "
+                f"root_dir). Total hit rate {_pct(hit['total'])} = "
+                f"{_pct(hit['fraction_of_unlimited'])} of the {_pct(hit['unlimited'])} an "
+                "unlimited cache starting with the same blocks gets on the same requests "
+                f"({_pct(warm['unlimited_from_cold'])} from cold).",
+                style="yellow",
+            )
+        )
+    else:
+        notes.append(
+            Text(
+                f"Total hit rate {_pct(hit['total'])} = {_pct(hit['fraction_of_unlimited'])} of "
+                f"the {_pct(hit['unlimited'])} an unlimited cache gets on the same requests."
+            )
+        )
     if setup.get("ignored_config_keys"):
         notes.append(
             Text(
@@ -397,16 +444,19 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
             )
         )
     if report["interrupted"]:
+        by = f" by {report['stopped_by']}" if report.get("stopped_by") else ""
         notes.append(
             Text(
-                "Interrupted: partial report of the requests replayed so far.", style="bold yellow"
+                f"Interrupted{by}: partial report of the requests replayed so far.",
+                style="bold yellow",
             )
         )
     console.print(Panel(Group(*notes), title="tiering replay", expand=False))
-    hits_table, moved_table = _tier_tables(report, block_bytes)
+    wide = console.width >= WIDE_CONSOLE
+    hits_table, moved_table = _tier_tables(report, block_bytes, wide=wide)
     console.print(hits_table)
     console.print(moved_table)
-    console.print(_latency_table(report))
+    console.print(_latency_table(report, wide=wide))
 
     overhead = report["overhead"]
     console.print(
@@ -432,6 +482,16 @@ def render_report(report: Mapping[str, Any], console: Console) -> None:
         )
     else:
         console.print(Text("Failures: none.", style="green"))
+    tier_failures = report.get("tier_failures")
+    if tier_failures is not None and tier_failures["exceeded"]:
+        console.print(
+            Text(
+                f"Tier failures: {tier_failures['count']:,} (failed tier jobs + missing reads + "
+                f"tier timeouts), more than --max-tier-failures {tier_failures['max_allowed']:,}: "
+                f"exit status {report.get('exit_status', 3)}.",
+                style="bold yellow",
+            )
+        )
     verification = report["verification"]
     if verification["mismatches"]:
         examples = ", ".join(

@@ -24,6 +24,9 @@ from tiering.errors import TieringError
 DEFAULT_BLOCK_TOKENS = 512
 
 _MAX_HASH_ID = 2**64 - 1
+#: Longest trace line read (a real request's line is a few KiB); a longer one is refused
+#: before it fills memory (a file of zeros has no line end at all).
+MAX_LINE_BYTES = 16 << 20
 
 
 class TraceError(TieringError, ValueError):
@@ -132,7 +135,14 @@ def iter_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> It
     with _open_binary(path) as lines:
         try:
             # Lines are decoded one by one so an encoding error can name its line.
-            for line_number, raw in enumerate(lines, start=1):
+            while raw := lines.readline(MAX_LINE_BYTES + 1):
+                line_number += 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise TraceError(
+                        source,
+                        line_number,
+                        f"longer than {MAX_LINE_BYTES >> 20} MiB: not a trace line",
+                    )
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
@@ -146,6 +156,10 @@ def iter_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> It
                 except json.JSONDecodeError as exc:
                     raise TraceError(
                         source, line_number, f"invalid JSON ({exc.msg} at column {exc.colno})"
+                    ) from None
+                except RecursionError:
+                    raise TraceError(
+                        source, line_number, "JSON nested too deeply: not a trace line"
                     ) from None
                 try:
                     yield parse_request(record, block_tokens)
