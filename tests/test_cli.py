@@ -451,8 +451,16 @@ def test_tier_failures_are_named_in_the_printed_report(capsys: pytest.CaptureFix
 def test_wrong_bytes_outrank_tier_failures() -> None:
     from tiering.cli import replay_exit_status
 
-    def report(mismatches: int, job_failures: int, interrupted: bool = False) -> dict[str, Any]:
-        failures = {"tier_job_failures": job_failures, "missing_reads": 0, "tier_timeouts": 0}
+    def report(
+        mismatches: int, job_failures: int, interrupted: bool = False, routine: int = 0
+    ) -> dict[str, Any]:
+        failures = {
+            "tier_job_failures": job_failures,
+            "routine_job_failures": routine,
+            "missing_reads": routine,
+            "tier_timeouts": 0,
+            "corrupt_reads": 0,
+        }
         return {
             "verification": {"mismatches": mismatches},
             "failures": failures,
@@ -462,6 +470,9 @@ def test_wrong_bytes_outrank_tier_failures() -> None:
     assert replay_exit_status(report(0, 0), 0, None) == EXIT_OK
     assert replay_exit_status(report(0, 5), 0, None) == EXIT_TIER_FAILURES
     assert replay_exit_status(report(0, 5), 5, None) == EXIT_OK
+    # blocks a bounded tier dropped between lookup and read are reported, not counted
+    assert replay_exit_status(report(0, 5, routine=5), 0, None) == EXIT_OK
+    assert replay_exit_status(report(0, 6, routine=5), 0, None) == EXIT_TIER_FAILURES
     assert replay_exit_status(report(1, 5), 0, None) == EXIT_WRONG_BYTES
     assert replay_exit_status(report(0, 5, True), 0, signal.SIGTERM) == 143
     assert replay_exit_status(report(2, 5, True), 0, signal.SIGHUP) == EXIT_WRONG_BYTES

@@ -22,7 +22,9 @@ class TierStats:
     present (a promotion was started), ``misses`` lookups it answered absent,
     ``promotions`` blocks promoted out of it, ``cascades`` blocks stored into
     it. ``failures`` counts failed jobs (and, for the primary, failed stores
-    from the GPU). ``bytes_moved``/``seconds_moved`` add up finished jobs
+    from the GPU); ``routine_failures`` those of them that failed only because
+    blocks had left the tier since the lookup (normal for bounded and shared
+    tiers). ``bytes_moved``/``seconds_moved`` add up finished jobs
     (successful blocks only); ``jobs_in_flight`` are jobs without a result yet.
     """
 
@@ -39,6 +41,7 @@ class TierStats:
     bytes_moved: int
     seconds_moved: float
     jobs_in_flight: int
+    routine_failures: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,7 @@ class TierCounters:
         "misses",
         "name",
         "promotions",
+        "routine_failures",
         "seconds_moved",
     )
 
@@ -117,6 +121,7 @@ class TierCounters:
         self.cascades = 0
         self.evictions = 0
         self.failures = 0
+        self.routine_failures = 0
         self.bytes_moved = 0
         self.seconds_moved = 0.0
         self.jobs_in_flight = 0
@@ -140,4 +145,5 @@ class TierCounters:
             bytes_moved=self.bytes_moved,
             seconds_moved=self.seconds_moved,
             jobs_in_flight=self.jobs_in_flight,
+            routine_failures=self.routine_failures,
         )

@@ -154,6 +154,7 @@ class PromotionMixin(CascadeMixin):
         if failed:
             primary.complete_store(failed, False)
             counters.failures += 1
+            counters.routine_failures += result.only_missing_blocks
             self._failure_log.failed(
                 counters.name,
                 f"promotion of {len(failed)} block(s)",

@@ -173,6 +173,8 @@ def build_report(
     failures = {
         "verification_mismatches": totals.mismatches,
         "tier_job_failures": tier_failures,
+        # failed only because blocks left a bounded or shared tier since the lookup
+        "routine_job_failures": sum(t.routine_failures for t in stats.tiers),
         "promotion_timeouts": totals.promotion_timeouts,
         "store_rejected_blocks": totals.store_rejected_blocks,
         "lost_before_load": totals.lost_before_load,
