@@ -264,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
         "cascades) waits for them before its blocks are dropped (default 5; 0 drops at once, "
         "as an overloaded engine would)",
     )
+    replay.add_argument(
+        "--metrics-port",
+        type=_metrics_port_arg,
+        metavar="PORT",
+        help="serve the kv_tiering_* Prometheus metrics on PORT during the run (0: any free "
+        "port; the URL is printed); overrides the config's metrics_port",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.add_argument(
         "--output", type=Path, metavar="FILE", help="also write the JSON report to FILE"
@@ -377,6 +384,8 @@ def _replay_config(
         extra["cpu_bytes_to_use"] = args.cpu_bytes
     if args.eviction_policy is not None:
         extra["eviction_policy"] = args.eviction_policy
+    if args.metrics_port is not None:
+        extra["metrics_port"] = args.metrics_port
     if args.no_secondary:
         extra["secondary_tiers"] = []
     elif args.tier:
@@ -402,6 +411,25 @@ class _ReplayRun:
     gpu_held: int
     secondary_names: list[str]
     runtime_stats: list[Any]
+
+
+def _metrics_port_arg(text: str) -> int:
+    from tiering.errors import ConfigError
+    from tiering.metrics_server import check_metrics_port
+
+    try:
+        return check_metrics_port(int(text), "--metrics-port")
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _print_metrics_url(extra: dict[str, Any], err: Any) -> None:
+    from tiering.metrics_server import running_metrics_server
+
+    port = extra.get("metrics_port")
+    server = running_metrics_server(port) if isinstance(port, int) else None
+    if server is not None:
+        err.print(f"serving kv_tiering_* metrics at {server.url}", highlight=False)
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -440,6 +468,7 @@ def _replay_workload(args: argparse.Namespace, workload: Workload, err: Any) -> 
     with tempfile.TemporaryDirectory(prefix="tiering-replay-") as temp, stop_on_sigint(stop):
         extra = _replay_config(args, footprint, Path(temp))
         stack = build_stack(extra, block_bytes=args.block_bytes, block_tokens=args.block_tokens)
+        _print_metrics_url(extra, err)
         try:
             replayer = Replayer(
                 stack,

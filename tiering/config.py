@@ -48,6 +48,8 @@ KNOWN_KEYS = (
     "shutdown_timeout_s",
     "failed_promotion_backoff_s",
     "backfill_earlier_tiers",
+    "metrics_port",
+    "metrics_host",
 )
 
 
@@ -57,7 +59,9 @@ class TieringConfig:
 
     ``block_size`` is the number of tokens per offloaded block (None: the GPU
     block size). ``secondary_tiers`` are read-only copies of the user's tier
-    dicts, each with a non-empty string ``"type"``.
+    dicts, each with a non-empty string ``"type"``. ``metrics_port`` (None:
+    off; 0: any free port) serves the ``kv_tiering_*`` Prometheus series on
+    ``metrics_host`` from the process that builds the manager.
     """
 
     cpu_bytes_to_use: int
@@ -68,6 +72,8 @@ class TieringConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     failed_promotion_backoff_s: float = DEFAULT_FAILED_PROMOTION_BACKOFF_S
     backfill_earlier_tiers: bool = True
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any]) -> TieringConfig:
@@ -101,6 +107,8 @@ class TieringConfig:
                 positive=False,
             ),
             backfill_earlier_tiers=_flag(extra_config, "backfill_earlier_tiers", True),
+            metrics_port=_metrics_port(extra_config),
+            metrics_host=_metrics_host(extra_config),
         )
 
 
@@ -280,6 +288,28 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float, *, positive: bo
         kind = "a positive" if positive else "a non-negative"
         raise ConfigError(f"{key} must be {kind} finite number of seconds, got {value!r}")
     return float(value)
+
+
+def _metrics_port(extra: Mapping[str, Any]) -> int | None:
+    value = _get(extra, "metrics_port", None)
+    if value is None:
+        return None
+    from tiering.metrics_server import check_metrics_port
+
+    return check_metrics_port(value)
+
+
+def _metrics_host(extra: Mapping[str, Any]) -> str:
+    value = _get(extra, "metrics_host", None)
+    if value is None:
+        return "0.0.0.0"
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"metrics_host must be a host name or address to listen on, got {value!r}"
+        )
+    if extra.get("metrics_port") is None:
+        raise ConfigError("metrics_host is set but metrics_port is not: give the port too")
+    return value
 
 
 def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
