@@ -218,6 +218,13 @@ def test_every_dashboard_query_names_series_the_code_exports(
         assert names, f"a dashboard query names no kv_tiering_* series: {query}"
         assert names <= exported, f"{sorted(names - exported)} are not exported: {query}"
         used |= names
+    # The PromQL examples of docs/metrics.md, too.
+    page = (DOCS / "metrics.md").read_text()
+    examples = re.findall(r"```promql\n(.*?)```", page, flags=re.DOTALL)
+    assert examples
+    for query in "".join(examples).splitlines():
+        names = set(re.findall(r"\bkv_tiering_[a-z0-9_]+", query))
+        assert names and names <= exported, f"docs/metrics.md: {query}"
     # The dashboard shows every per-tier series the issue asks for.
     for wanted in (
         "kv_tiering_tier_capacity_blocks",
