@@ -66,8 +66,8 @@ The checks (:data:`CHECKS`, in order):
 ``persistence``           (with ``persistent=True``) blocks written before
                           ``aclose`` are listed and readable by a new tier.
 ``loop_not_blocked``      sampled with a 1 ms ticker, no kind of operation holds
-                          the event loop past ``max_loop_lag_s`` (25 ms) in most
-                          of its calls.
+                          the event loop past ``max_loop_lag_s`` (25 ms) in nearly
+                          all of its calls while idle control turns do not.
 ``deadline_through_facade``  through :class:`~tiering.runtime.AsyncTierManager`,
                           a job whose operation hangs fails cleanly at its
                           deadline, and the next jobs still round-trip bytes.
