@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -21,6 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from tiering.cli import main  # noqa: E402
 from tiering.errors import ConfigError  # noqa: E402
+from tiering.jobs import JobMetadata  # noqa: E402
+from tiering.keys import make_offload_key  # noqa: E402
+from tiering.metrics import SecondaryTierExport  # noqa: E402
 from tiering.metrics_server import (  # noqa: E402
     MetricsServer,
     running_metrics_server,
@@ -29,7 +33,9 @@ from tiering.metrics_server import (  # noqa: E402
 from tiering.replay.replayer import Replayer, ReplayStack, ReplayTotals  # noqa: E402
 from tiering.replay.stack import build_stack  # noqa: E402
 from tiering.replay.synthetic import SyntheticWorkload  # noqa: E402
+from tiering.runtime import AsyncTierManager  # noqa: E402
 from tiering.spec import TieringOffloadingSpec  # noqa: E402
+from tiers.memory import MemoryTier  # noqa: E402
 
 BLOCK = 4096
 LOCAL = "127.0.0.1"
@@ -74,6 +80,62 @@ def replay_config(**extra: Any) -> dict[str, Any]:
         "metrics_host": LOCAL,
         **extra,
     }
+
+
+def tier_samples(text: str, tier: str) -> Samples:
+    """Every ``kv_tiering_secondary_*`` sample of the runtime tier called ``tier``."""
+    found: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("kv_tiering_secondary_") and sample.labels["tier"] == tier:
+                found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+@pytest.fixture
+def runtime_tier() -> Iterator[AsyncTierManager]:
+    """A secondary tier run by the runtime, as vLLM's manager drives ours: 4 stores, 2 loads."""
+    rows = np.zeros((8, BLOCK), dtype=np.uint8)
+    runtime = AsyncTierManager(
+        MemoryTier(capacity_blocks=64), rows.data, "memory", name="vllm-memory-0"
+    )
+    export = SecondaryTierExport(runtime)
+    try:
+        keys = [make_offload_key(bytes([i]) * 8, 0) for i in range(4)]
+        rows[:4] = np.arange(4, dtype=np.uint8)[:, None]
+        runtime.submit_store(JobMetadata(1, tuple(keys), np.arange(4), is_promotion=False))
+        runtime.drain(30.0)
+        runtime.submit_load(JobMetadata(2, tuple(keys[:2]), np.arange(4, 6), is_promotion=True))
+        runtime.drain(30.0)
+        assert all(result.success for result in runtime.get_finished())
+        yield runtime
+    finally:
+        export.close()
+        runtime.shutdown()
+
+
+def test_runtime_tiers_driven_by_another_engine_are_served(
+    runtime_tier: AsyncTierManager,
+) -> None:
+    """What vLLM's scheduler process serves: our tiers under vLLM's own manager."""
+    server = serve_metrics(0, LOCAL)
+    samples = tier_samples(scrape(server.url), "vllm-memory-0")
+    assert value(samples, "kv_tiering_secondary_capacity_blocks") == 64
+    assert value(samples, "kv_tiering_secondary_blocks") == 4
+    assert value(samples, "kv_tiering_secondary_stored_bytes_total") == 4 * BLOCK
+    assert value(samples, "kv_tiering_secondary_loaded_bytes_total") == 2 * BLOCK
+    assert value(samples, "kv_tiering_secondary_failed_jobs_total") == 0
+    assert value(samples, "kv_tiering_secondary_jobs_in_flight") == 0
+    for direction in ("store", "load"):
+        count = value(samples, "kv_tiering_secondary_job_seconds_count", direction=direction)
+        assert count == 1
+        inf = value(
+            samples, "kv_tiering_secondary_job_seconds_bucket", direction=direction, le="+Inf"
+        )
+        assert inf == 1
+    runtime_tier.shutdown()
+    # The stats of a shut-down tier stay readable until its export is closed.
+    assert tier_samples(scrape(server.url), "vllm-memory-0")
 
 
 @pytest.fixture
@@ -203,13 +265,15 @@ def _queries(node: Any) -> Iterator[str]:
 
 
 def test_every_dashboard_query_names_series_the_code_exports(
-    replayed: tuple[ReplayStack, ReplayTotals, list[str]],
+    replayed: tuple[ReplayStack, ReplayTotals, list[str]], runtime_tier: AsyncTierManager
 ) -> None:
     stack, _, _ = replayed
     stack.manager.publish_metrics()
     server = running_metrics_server(0)
     assert server is not None
-    exported = {name for name, _ in samples_of(scrape(server.url), stack.manager.metrics_name)}
+    text = scrape(server.url)
+    exported = {name for name, _ in samples_of(text, stack.manager.metrics_name)}
+    exported |= {name for name, _ in tier_samples(text, runtime_tier.name)}
     queries = list(_queries(json.loads(DASHBOARD.read_text())))
     assert len(queries) >= 20
     used: set[str] = set()
