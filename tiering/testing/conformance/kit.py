@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import itertools
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -57,19 +56,18 @@ class TrackedTier:
     untouched (``tier`` is the real one, e.g. for the runtime).
     """
 
-    def __init__(self, tier: AsyncTier, op_timeout_s: float, pending: dict[int, str]) -> None:
+    def __init__(self, tier: AsyncTier, op_timeout_s: float, pending: dict[object, str]) -> None:
         self.tier = tier
         self._timeout = op_timeout_s
-        self._pending = pending
-        self._ids = itertools.count()
+        self._pending = pending  # shared by the check's tiers: call token -> description
 
     @property
     def max_concurrency(self) -> int:
         return self.tier.max_concurrency
 
     async def _call(self, what: str, operation: Awaitable[T]) -> T:
-        call_id = next(self._ids) + id(self) * 1_000_003
-        self._pending[call_id] = what
+        call = object()
+        self._pending[call] = what
         try:
             deadline = asyncio.timeout(self._timeout)
             try:
@@ -83,7 +81,7 @@ class TrackedTier:
                     ) from None
                 raise
         finally:
-            del self._pending[call_id]
+            del self._pending[call]
 
     async def open(self, context: TierContext) -> None:
         await self._call("open()", self.tier.open(context))
@@ -141,7 +139,7 @@ class Kit:
         #: digest of bytes written -> the key they were written for (to name a collision).
         self._written: dict[bytes, tuple[OffloadKey, int]] = {}
         #: Tier calls in flight, for the message of a check that times out.
-        self.pending: dict[int, str] = {}
+        self.pending: dict[object, str] = {}
 
     # -- keys and bytes ---------------------------------------------------------------------
 
