@@ -30,7 +30,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering.errors import ConfigError, TierClosedError
 from tiering.integrations.vllm import translate
 from tiering.keys import OffloadKey
-from tiering.metrics import SecondaryTierExport
+from tiering.metrics_secondary import SecondaryTierExport
 from tiering.metrics_server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager, TierStats
