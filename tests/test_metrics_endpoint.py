@@ -24,7 +24,7 @@ from tiering.cli import main  # noqa: E402
 from tiering.errors import ConfigError  # noqa: E402
 from tiering.jobs import JobMetadata  # noqa: E402
 from tiering.keys import make_offload_key  # noqa: E402
-from tiering.metrics import SecondaryTierExport  # noqa: E402
+from tiering.metrics_secondary import SecondaryTierExport  # noqa: E402
 from tiering.metrics_server import (  # noqa: E402
     MetricsServer,
     running_metrics_server,
