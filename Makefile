@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 LOCK   := constraints.txt
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck unit install lock clean
+.PHONY: demo test lint typecheck unit docs install lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,7 +34,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(PY) -m pytest -q
 
-test: lint typecheck unit
+# The documentation site, into the git-ignored site/; --strict fails on a broken link or
+# anchor, a page missing from mkdocs.yml's nav, or a nav entry without a page.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+test: docs lint typecheck unit
 
 # After changing dependencies in pyproject.toml: resolve them afresh in a scratch
 # virtualenv and write the lock (torch stays pinned by the install command above).

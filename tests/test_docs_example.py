@@ -32,8 +32,9 @@ async def test_the_opening_tier_is_short_and_passes_the_kit() -> None:
     assert len(code_lines) <= 30, f"the opening example grew to {len(code_lines)} lines"
     report = await check_tier(namespace["KeyValueTier"], raise_on_failure=False)
     assert report.ok, str(report)
-    # Not persistent, no delete: both checks are skipped, nothing else.
-    assert [o.name for o in report.outcomes if o.skipped] == ["delete", "persistence"]
+    # Not persistent, not bounded, no delete: those checks are skipped, nothing else.
+    skipped = [o.name for o in report.outcomes if o.skipped]
+    assert skipped == ["delete", "eviction_reported", "persistence"]
 
 
 async def test_the_directory_tier_passes_the_kit_including_persistence(tmp_path: Path) -> None:
@@ -43,7 +44,7 @@ async def test_the_directory_tier_passes_the_kit_including_persistence(tmp_path:
         lambda: namespace["DirectoryTier"](root), persistent=True, raise_on_failure=False
     )
     assert report.ok, str(report)
-    assert not any(o.skipped for o in report.outcomes)
+    assert [o.name for o in report.outcomes if o.skipped] == ["eviction_reported"]
 
 
 def test_the_doc_has_both_examples() -> None:

@@ -326,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
         "cascades) waits for them before its blocks are dropped (default 5; 0 drops at once, "
         "as an overloaded engine would)",
     )
+    replay.add_argument(
+        "--metrics-port",
+        type=_metrics_port_arg,
+        metavar="PORT",
+        help="serve the kv_tiering_* Prometheus metrics on PORT during the run (0: any free "
+        "port; the URL is printed); overrides the config's metrics_port",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.add_argument(
         "--output", type=Path, metavar="FILE", help="also write the JSON report to FILE"
@@ -507,6 +514,8 @@ def _replay_config(
         extra["eviction_policy"] = _policy_setting(args.eviction_policy, "--eviction-policy")
     if args.cascade_admission is not None:
         extra["cascade_admission"] = _policy_setting(args.cascade_admission, "--cascade-admission")
+    if args.metrics_port is not None:
+        extra["metrics_port"] = args.metrics_port
     if args.no_secondary:
         extra["secondary_tiers"] = []
     elif args.tier:
@@ -534,6 +543,25 @@ class _ReplayRun:
     runtime_stats: list[Any]
     warm_blocks: set[int]  # the workload's blocks the secondary tiers held at the start
     held_at_start: int  # blocks the secondary tiers held at the start
+
+
+def _metrics_port_arg(text: str) -> int:
+    from tiering.errors import ConfigError
+    from tiering.metrics_server import check_metrics_port
+
+    try:
+        return check_metrics_port(int(text), "--metrics-port")
+    except (ValueError, ConfigError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _print_metrics_url(extra: dict[str, Any], err: Any) -> None:
+    from tiering.metrics_server import running_metrics_server
+
+    port = extra.get("metrics_port")
+    server = running_metrics_server(port) if isinstance(port, int) else None
+    if server is not None:
+        err.print(f"serving kv_tiering_* metrics at {server.url}", highlight=False)
 
 
 def run_replay(args: argparse.Namespace, signals: SignalStop) -> int:
@@ -621,6 +649,7 @@ def _replay_workload(
     with ReplayTempDir() as temp, signals.clean_stop(stop):
         extra = _replay_config(args, footprint, temp)
         stack = build_stack(extra, block_bytes=args.block_bytes, block_tokens=args.block_tokens)
+        _print_metrics_url(extra, err)
         try:
             held_at_start = blocks_held_at_start(stack)
             warm = (

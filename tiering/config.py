@@ -54,6 +54,8 @@ KNOWN_KEYS = (
     "shutdown_timeout_s",
     "failed_promotion_backoff_s",
     "backfill_earlier_tiers",
+    "metrics_port",
+    "metrics_host",
 )
 
 
@@ -68,6 +70,8 @@ class TieringConfig:
     ``policy`` is the resolved choice the primary tier builds (resolved from
     ``eviction_policy`` when not given). ``cascade_admission`` chooses which
     stored blocks are cascaded to the secondary tiers (None: all of them).
+    ``metrics_port`` (None: off; 0: any free port) serves the ``kv_tiering_*``
+    Prometheus series on ``metrics_host`` from the process that builds the manager.
     """
 
     cpu_bytes_to_use: int
@@ -78,6 +82,8 @@ class TieringConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     failed_promotion_backoff_s: float = DEFAULT_FAILED_PROMOTION_BACKOFF_S
     backfill_earlier_tiers: bool = True
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
     cascade_admission: PolicyChoice | None = None
     policy: PolicyChoice = None  # type: ignore[assignment]  # set by __post_init__
 
@@ -119,6 +125,8 @@ class TieringConfig:
             ),
             backfill_earlier_tiers=_flag(extra_config, "backfill_earlier_tiers", True),
             cascade_admission=_cascade_admission(extra_config),
+            metrics_port=_metrics_port(extra_config),
+            metrics_host=_metrics_host(extra_config),
         )
 
 
@@ -454,6 +462,28 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float, *, positive: bo
         kind = "a positive" if positive else "a non-negative"
         raise ConfigError(f"{key} must be {kind} finite number of seconds, got {shown(value)}")
     return float(value)
+
+
+def _metrics_port(extra: Mapping[str, Any]) -> int | None:
+    value = _get(extra, "metrics_port", None)
+    if value is None:
+        return None
+    from tiering.metrics_server import check_metrics_port
+
+    return check_metrics_port(value)
+
+
+def _metrics_host(extra: Mapping[str, Any]) -> str:
+    value = _get(extra, "metrics_host", None)
+    if value is None:
+        return "0.0.0.0"
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"metrics_host must be a host name or address to listen on, got {value!r}"
+        )
+    if extra.get("metrics_port") is None:
+        raise ConfigError("metrics_host is set but metrics_port is not: give the port too")
+    return value
 
 
 def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:

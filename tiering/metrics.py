@@ -9,8 +9,11 @@ HTTP server uses. The scrape thread therefore never reads the manager's
 mutable state.
 
 Metric names start with ``kv_tiering_``; per-tier series carry the labels
-``manager``, ``tier`` and ``medium``. Serve them with
-``prometheus_client.start_http_server(port)`` as usual.
+``manager``, ``tier`` and ``medium``. Counters are exposed with a ``_total``
+suffix; ``kv_tiering_tier_job_seconds`` is a histogram of finished jobs'
+durations (``_bucket``, ``_sum``, ``_count``). Serve them with the
+``metrics_port`` option, ``tiering replay --metrics-port`` or
+:func:`tiering.metrics_server.serve_metrics` (see ``docs/metrics.md``).
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tiering.stats import ManagerStats, TierStats
+from tiering.stats import JOB_SECONDS_BUCKETS, ManagerStats, TierStats
 
 prometheus_client: Any
 try:  # optional dependency: metrics are a no-op without it
     import prometheus_client
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 except ImportError:  # pragma: no cover - exercised only where the extra is absent
     prometheus_client = None
 
@@ -153,6 +160,7 @@ class _Collector:
 
 
 def _families(snapshots: list[tuple[str, ManagerStats]]) -> Iterator[Any]:
+    yield _job_seconds(snapshots)
     for metric, doc, value_of, is_counter in _TIER_METRICS:
         family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
             metric, doc, labels=_TIER_LABELS
@@ -170,6 +178,33 @@ def _families(snapshots: list[tuple[str, ManagerStats]]) -> Iterator[Any]:
         for manager, stats in snapshots:
             family.add_metric([manager], float(manager_value(stats)))
         yield family
+
+
+def _job_seconds(snapshots: list[tuple[str, ManagerStats]]) -> Any:
+    """The histogram of finished jobs' durations, per tier (the primary: all tiers' jobs)."""
+    family = HistogramMetricFamily(
+        "kv_tiering_tier_job_seconds",
+        "Duration of finished jobs that moved blocks (for the primary tier: every tier's).",
+        labels=_TIER_LABELS,
+    )
+    for manager, stats in snapshots:
+        for tier in stats.tiers:
+            family.add_metric(
+                [manager, tier.name, tier.medium],
+                histogram_buckets(tier.job_seconds_counts),
+                tier.seconds_moved,
+            )
+    return family
+
+
+def histogram_buckets(counts: tuple[int, ...]) -> list[tuple[str, float]]:
+    """Per-bucket job counts over :data:`JOB_SECONDS_BUCKETS` as Prometheus' cumulative buckets."""
+    bounds = [*(repr(float(b)) for b in JOB_SECONDS_BUCKETS), "+Inf"]
+    cumulative, running = [], 0
+    for bound, count in zip(bounds, counts, strict=True):
+        running += count
+        cumulative.append((bound, float(running)))
+    return cumulative
 
 
 _default_collector: _Collector | None = None

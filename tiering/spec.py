@@ -156,6 +156,13 @@ class TieringOffloadingSpec:
         from tiering.registry import create_secondary_tier
 
         config = self.config
+        if config.metrics_port is not None:
+            # Here, not in __init__: vLLM builds specs in worker processes too, and only
+            # the process that builds the manager has series to serve.
+            from tiering.metrics_server import serve_metrics
+
+            served = serve_metrics(config.metrics_port, config.metrics_host)
+            logger.info("serving kv_tiering_* metrics at %s", served.url)
         primary = CPUPrimaryTier(
             self.num_blocks,
             self.block_bytes,

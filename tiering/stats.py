@@ -8,7 +8,13 @@ can be handed to any thread (a metrics exporter, a log line, a test).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
+
+#: Upper bounds (seconds) of the job-duration histogram buckets; a last bucket takes the rest.
+JOB_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +32,8 @@ class TierStats:
     blocks had left the tier since the lookup (normal for bounded and shared
     tiers). ``bytes_moved``/``seconds_moved`` add up finished jobs
     (successful blocks only); ``jobs_in_flight`` are jobs without a result yet.
+    ``job_seconds_counts`` counts those finished jobs by duration, one count per
+    bucket of :data:`JOB_SECONDS_BUCKETS` plus a last one for longer jobs.
     """
 
     name: str
@@ -42,6 +50,7 @@ class TierStats:
     seconds_moved: float
     jobs_in_flight: int
     routine_failures: int = 0
+    job_seconds_counts: tuple[int, ...] = (0,) * (len(JOB_SECONDS_BUCKETS) + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +112,7 @@ class TierCounters:
         "evictions",
         "failures",
         "hits",
+        "job_seconds_counts",
         "jobs_in_flight",
         "medium",
         "misses",
@@ -125,10 +135,13 @@ class TierCounters:
         self.bytes_moved = 0
         self.seconds_moved = 0.0
         self.jobs_in_flight = 0
+        self.job_seconds_counts = [0] * (len(JOB_SECONDS_BUCKETS) + 1)
 
     def add_transfer(self, nbytes: int, seconds: float) -> None:
+        """Count one finished job that moved ``nbytes`` in ``seconds``."""
         self.bytes_moved += nbytes
         self.seconds_moved += seconds
+        self.job_seconds_counts[bisect.bisect_left(JOB_SECONDS_BUCKETS, seconds)] += 1
 
     def snapshot(self, *, blocks_held: int, capacity_blocks: int | None) -> TierStats:
         return TierStats(
@@ -146,4 +159,5 @@ class TierCounters:
             seconds_moved=self.seconds_moved,
             jobs_in_flight=self.jobs_in_flight,
             routine_failures=self.routine_failures,
+            job_seconds_counts=tuple(self.job_seconds_counts),
         )

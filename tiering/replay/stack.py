@@ -256,7 +256,8 @@ def build_stack(
         layout_fingerprint=layout_fingerprint(block_bytes, block_tokens),
         enable_events=False,
         name="replay",
-        metrics_registry=False,
+        # Exported only when served (metrics_port): a replay's series are otherwise unused.
+        metrics_registry=None if extra_config.get("metrics_port") is not None else False,
     )
     manager = spec.get_manager()
     names = report_names(spec.config.secondary_tiers, [t.name for t in manager.stats().secondary])

@@ -428,6 +428,8 @@ class AsyncTierManager(SecondaryTierManager):
             blocks_removed=counters.blocks_removed,
             events_dropped=counters.events_dropped,
             closed=self._closed,
+            store_seconds_counts=tuple(counters.store_seconds_counts),
+            load_seconds_counts=tuple(counters.load_seconds_counts),
         )
 
     def shutdown(self) -> None:

@@ -47,7 +47,7 @@ from tiering.keys import OffloadKey
 from tiering.runtime.digests import StoredDigests, block_checksum
 from tiering.runtime.limiter import BlockLimiter
 from tiering.runtime.presence import KnownPresent
-from tiering.runtime.stats import TierCounters
+from tiering.runtime.stats import TierCounters, count_job_seconds
 from tiering.tier import AsyncTier, TierContext
 
 logger = logging.getLogger("tiering.runtime")
@@ -356,6 +356,7 @@ class TierService:
         counters.blocks_stored += len(written)
         counters.bytes_stored += nbytes
         counters.store_seconds += elapsed
+        count_job_seconds(counters.store_seconds_counts, elapsed)
         failed = batch.errors
         ok_keys = frozenset(k for k in keys if k not in failed)
         if failed:
@@ -458,6 +459,7 @@ class TierService:
         counters.blocks_loaded += len(loaded)
         counters.bytes_loaded += nbytes
         counters.load_seconds += elapsed
+        count_job_seconds(counters.load_seconds_counts, elapsed)
         if batch.errors:
             self._forget_unreadable(batch.errors)
             return JobResult(

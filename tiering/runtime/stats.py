@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
+
+from tiering.stats import JOB_SECONDS_BUCKETS
+
+
+def _no_jobs() -> list[int]:
+    return [0] * (len(JOB_SECONDS_BUCKETS) + 1)
+
+
+def count_job_seconds(counts: list[int], seconds: float) -> None:
+    """Count one job of ``seconds`` in a histogram over :data:`JOB_SECONDS_BUCKETS`."""
+    counts[bisect.bisect_left(JOB_SECONDS_BUCKETS, seconds)] += 1
 
 
 @dataclass(slots=True)
@@ -23,6 +35,8 @@ class TierCounters:
     abandoned_jobs: int = 0
     blocks_removed: int = 0
     events_dropped: int = 0
+    store_seconds_counts: list[int] = field(default_factory=_no_jobs)
+    load_seconds_counts: list[int] = field(default_factory=_no_jobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +53,9 @@ class TierStats:
     ``corrupt_reads``/``missing_reads`` blocks whose read raised
     ``CorruptBlock``/``BlockNotFound``, ``blocks_removed`` blocks the tier
     reported gone (evictions) or found missing or corrupt.
+    ``store_seconds_counts``/``load_seconds_counts`` count jobs by transfer
+    time, one count per bucket of :data:`tiering.stats.JOB_SECONDS_BUCKETS`
+    plus one for longer jobs.
     """
 
     name: str
@@ -64,6 +81,8 @@ class TierStats:
     blocks_removed: int
     events_dropped: int
     closed: bool
+    store_seconds_counts: tuple[int, ...] = (0,) * (len(JOB_SECONDS_BUCKETS) + 1)
+    load_seconds_counts: tuple[int, ...] = (0,) * (len(JOB_SECONDS_BUCKETS) + 1)
 
     @property
     def store_bytes_per_s(self) -> float:

@@ -9,8 +9,9 @@
   ``ReferenceLRU``, ``ReferenceARC``, ``ReferenceKVAware``).
 
 Names are re-exported lazily, so importing one helper never imports the
-others' dependencies (Hypothesis, the runtime). ``pip install
-'kv-tiering[testing]'`` installs what they need (Hypothesis, pytest).
+others' dependencies (Hypothesis, the runtime). The ``testing`` extra installs
+what they need (Hypothesis, pytest): ``pip install -e '.[testing]'`` from a
+checkout (the package is not on PyPI yet).
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering.errors import ConfigError, TierClosedError
 from tiering.integrations.vllm import translate
 from tiering.keys import OffloadKey
+from tiering.metrics_secondary import SecondaryTierExport
+from tiering.metrics_server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager, TierStats
 
@@ -112,6 +114,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         config: dict[str, Any] = {"type": our_type, **options}
         config.setdefault("name", f"vllm-{tier_type}-{position}")
         block_bytes = self.block_size_bytes
+        _serve_metrics(offloading_spec)  # before the runtime: a taken port leaves nothing behind
         self._runtime: AsyncTierManager = create_secondary_tier(
             config,
             primary_kv_view,
@@ -120,6 +123,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         )
         self._loads: set[int] = set()  # job ids of the promotions in flight
         self._shut_down = False
+        self._metrics = SecondaryTierExport(self._runtime)
         logger.info(
             "kv-tiering tier %r (%s, %s) ready for vLLM: %d-byte blocks, events %s",
             tier_type,
@@ -248,6 +252,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         if self._shut_down:
             return
         self._shut_down = True
+        self._metrics.close()
         self._runtime.shutdown()
 
     # -- introspection ----------------------------------------------------------------------
@@ -303,6 +308,21 @@ class KVTieringMemoryTier(KVTieringTier):
     medium: Any = Medium.CPU
     cache_hit_source: Any = CacheHitSource.HOST
     fixed_tier: ClassVar[str | None] = "memory"
+
+
+def _serve_metrics(offloading_spec: Any) -> None:
+    """With ``metrics_port`` in kv_connector_extra_config, serve the metrics (once per process).
+
+    Called by each tier vLLM's manager builds, in the scheduler process only
+    (workers build no tiers); every tier after the first gets the running server.
+    """
+    extra = getattr(offloading_spec, "extra_config", None) or {}
+    port = extra.get("metrics_port")
+    if port is not None:
+        served = serve_metrics(
+            check_metrics_port(port), extra.get("metrics_host") or DEFAULT_METRICS_HOST
+        )
+        logger.info("serving kv_tiering_* metrics at %s", served.url)
 
 
 def _position_in_spec(offloading_spec: Any, tier_type: str, options: Mapping[str, Any]) -> int:
