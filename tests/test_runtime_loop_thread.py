@@ -188,12 +188,8 @@ def _on_a_loop_thread(body: Callable[[], Awaitable[None]]) -> None:
         portal.call(body)
 
 
-def test_run_in_thread_returns_and_waits_for_the_thread_when_cancelled() -> None:
-    _on_a_loop_thread(_returns_and_waits_for_the_thread_when_cancelled)
-
-
-async def _returns_and_waits_for_the_thread_when_cancelled() -> None:
-    assert await run_in_thread(sum, [1, 2, 3]) == 6
+def _blocking_call() -> tuple[threading.Event, threading.Event, list[bool], Callable[[], None]]:
+    """A blocking function that signals ``started``, waits for ``release``, records finishing."""
     started, release = threading.Event(), threading.Event()
     finished: list[bool] = []
 
@@ -201,6 +197,17 @@ async def _returns_and_waits_for_the_thread_when_cancelled() -> None:
         started.set()
         release.wait(5)
         finished.append(True)
+
+    return started, release, finished, blocking
+
+
+def test_run_in_thread_returns_and_waits_for_the_thread_when_cancelled() -> None:
+    _on_a_loop_thread(_returns_and_waits_for_the_thread_when_cancelled)
+
+
+async def _returns_and_waits_for_the_thread_when_cancelled() -> None:
+    assert await run_in_thread(sum, [1, 2, 3]) == 6
+    started, release, finished, blocking = _blocking_call()
 
     task = asyncio.ensure_future(run_in_thread(blocking))
     await asyncio.to_thread(started.wait, 5)
@@ -218,13 +225,7 @@ def test_run_in_thread_waits_for_the_thread_when_an_anyio_scope_cancels_it() -> 
 
 
 async def _waits_for_the_thread_when_an_anyio_scope_cancels_it() -> None:
-    started, release = threading.Event(), threading.Event()
-    finished: list[bool] = []
-
-    def blocking() -> None:
-        started.set()
-        release.wait(5)
-        finished.append(True)
+    started, release, finished, blocking = _blocking_call()
 
     async def release_soon() -> None:
         await asyncio.to_thread(started.wait, 5)
