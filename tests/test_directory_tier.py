@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
 import aiofiles.os
 import numpy as np
@@ -191,3 +193,46 @@ def test_the_directory_type_runs_behind_the_facade(tmp_path: Path) -> None:
     # Persistent: a new manager over the same directory finds the block.
     with create_secondary_tier(config, rows.data, position=0, layout_fingerprint="fp") as manager:
         assert manager.lookup(key(1), NO_CONTEXT) is True
+
+
+async def test_evicting_a_key_being_rewritten_leaves_its_new_file_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tiers.directory as directory_module
+
+    tier = await _opened(tmp_path, capacity_blocks=1)
+    await _write(tier, key(1), 1)
+    started, gate = threading.Event(), threading.Event()
+    real_write = directory_module._write_block_file
+
+    loop = asyncio.get_running_loop()
+    rewritten = asyncio.Event()  # the new file of key(1) is in place
+
+    def gated_write(temp: Path, path: Path, k: bytes, *rest: Any) -> None:
+        if k == key(1):
+            started.set()
+            gate.wait(5)
+        real_write(temp, path, k, *rest)
+        if k == key(1):
+            loop.call_soon_threadsafe(rewritten.set)
+
+    real_remove = aiofiles.os.remove
+
+    async def remove_after_the_rewrite(path: Path) -> None:
+        await rewritten.wait()  # the worst order: the eviction's delete after the new file
+        await real_remove(path)
+
+    monkeypatch.setattr(directory_module, "_write_block_file", gated_write)
+    monkeypatch.setattr(aiofiles.os, "remove", remove_after_the_rewrite)
+
+    rewriting = asyncio.ensure_future(_write(tier, key(1), 2))
+    await asyncio.to_thread(started.wait, 5)
+    other = asyncio.ensure_future(_write(tier, key(2), 3))  # evicts key(1): capacity 1
+    for _ in range(50):
+        if other.done():
+            break
+        await asyncio.sleep(0.01)
+    gate.set()
+    new = await rewriting
+    await other
+    assert await _read(tier, key(1)) == new

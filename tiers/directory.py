@@ -110,6 +110,9 @@ class DirectoryTier(AsyncTier):
         # Keys whose file is being deleted: a write of the key waits, so the deletion
         # can never remove the new file.
         self._deleting: dict[OffloadKey, anyio.Event] = {}
+        # Keys with a write in flight: eviction leaves their file to the write (which
+        # replaces it) instead of deleting it, maybe just after the new one landed.
+        self._writing: set[OffloadKey] = set()
 
     @property
     def directory(self) -> Path:
@@ -217,9 +220,11 @@ class DirectoryTier(AsyncTier):
         path = self._path(key)
         temp = path.with_name(f"{path.name}.{secrets.token_hex(4)}{_TEMP_SUFFIX}")
         renamed: list[bool] = []
+        self._writing.add(key)
         try:
             await self.run_in_thread(_write_block_file, temp, path, key, data, self.fsync, renamed)
         finally:
+            self._writing.discard(key)
             if renamed:  # on disk, even when this write was cancelled after the rename
                 self._index[key] = None
                 self._index.move_to_end(key)
@@ -227,7 +232,7 @@ class DirectoryTier(AsyncTier):
             excess = len(self._index) - self.capacity_blocks
             victims = [self._index.popitem(last=False)[0] for _ in range(excess)]
             self.report_removed(victims)
-            await self._delete_files(victims)
+            await self._delete_files([k for k in victims if k not in self._writing])
 
     async def delete(self, key: OffloadKey) -> None:
         """Delete the block's file (no error if absent). Cancellation: gone or intact."""
