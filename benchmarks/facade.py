@@ -7,11 +7,13 @@ Sections (every figure measured in this run, on this machine):
 
 1. Hand-off scheduler -> loop: cost of one submit on the scheduler thread while
    the loop is busy with earlier jobs, and pipelined jobs/s, for
-   ``run_coroutine_threadsafe``, ``call_soon_threadsafe`` per job, ``janus``
-   and the :class:`~tiering.runtime.mailbox.Mailbox` the facade uses.
+   anyio's ``BlockingPortal.start_task_soon``, ``run_coroutine_threadsafe``,
+   ``call_soon_threadsafe`` per job, ``janus`` and the
+   :class:`~tiering.runtime.mailbox.Mailbox` the facade uses.
 2. Hand-back loop -> scheduler: the loop's cost to publish one result, the
    scheduler's cost to poll an empty channel and to drain one item, for
-   ``queue.SimpleQueue`` (used), ``collections.deque`` and ``janus``.
+   ``queue.SimpleQueue`` (used), ``collections.deque``, ``janus`` and an
+   ``asyncio.Queue`` (read from the scheduler with a round trip).
 3. The facade with the in-memory tier: ``submit_store``/``submit_load``
    median and p99 while the loop is busy, ``lookup``, ``get_finished`` with
    nothing ready, and jobs/s end to end. Targets: submit <= 10 us median and
@@ -25,6 +27,10 @@ Sections (every figure measured in this run, on this machine):
    tier's copies and the host copy engine's, each before (the Python-level
    loop of copies it replaced) and after (one bulk call per job:
    ``tiering.copy.bulk.copy_regions``). Slowdowns of the batch's p50 and p99.
+6. anyio replacements: ``LoopThread.call`` (anyio's blocking portal) against
+   a bare ``run_coroutine_threadsafe`` round trip (the control path: open,
+   shutdown), and ``AsyncTier.run_in_thread`` (``anyio.to_thread`` under the
+   tier's ``CapacityLimiter``) against the ``asyncio.to_thread`` it replaced.
 
 The machine is shared and noisy: compare figures within one run.
 """
@@ -181,7 +187,13 @@ def _janus(portal: LoopThread, finished: Callable[[], None]) -> Any:
     return (lambda: q.sync_q.put_nowait(None)), (lambda: portal.call(stop))
 
 
+def _portal_task(portal: LoopThread, finished: Callable[[], None]) -> Any:
+    # anyio's BlockingPortal: start_task_soon waits for the loop to spawn the task.
+    return (lambda: portal.portal.start_task_soon(_job, finished)), (lambda: None)
+
+
 HANDOFFS = {
+    "anyio BlockingPortal.start_task_soon (per job)": _portal_task,
     "run_coroutine_threadsafe (per job)": _rcts,
     "call_soon_threadsafe + create_task (per job)": _csts,
     "janus sync_q.put + loop worker": _janus,
@@ -254,6 +266,30 @@ def _janus_back(portal: LoopThread) -> tuple[Any, ...]:
     return (q.async_q.put_nowait, q, stop)
 
 
+def _asyncio_queue_back(portal: LoopThread) -> tuple[Any, ...]:
+    # An asyncio.Queue is not thread-safe: the scheduler reads it with a round trip.
+    async def make_queue() -> asyncio.Queue[int]:
+        return asyncio.Queue()
+
+    async def stop() -> None:
+        pass
+
+    q = portal.call(make_queue)
+    return (q.put_nowait, q, stop, portal.loop)
+
+
+async def _queue_empty(q: asyncio.Queue[int]) -> bool:
+    return q.empty()
+
+
+def _asyncio_queue_poll(channel: tuple[Any, ...]) -> bool:
+    return bool(asyncio.run_coroutine_threadsafe(_queue_empty(channel[1]), channel[3]).result())
+
+
+def _asyncio_queue_drain(channel: tuple[Any, ...]) -> Any:
+    return asyncio.run_coroutine_threadsafe(channel[1].get(), channel[3]).result()
+
+
 def _janus_poll(channel: tuple[Any, ...]) -> bool:
     return bool(channel[1].sync_q.empty())
 
@@ -268,6 +304,11 @@ HANDBACKS: dict[
     "queue.SimpleQueue (used)": (_simplequeue, lambda c: c[1].empty(), lambda c: c[1].get_nowait()),
     "collections.deque": (_deque, lambda c: not c[1], lambda c: c[1].popleft()),
     "janus (async put / sync get)": (_janus_back, _janus_poll, _janus_drain),
+    "asyncio.Queue (scheduler reads via run_coroutine_threadsafe)": (
+        _asyncio_queue_back,
+        _asyncio_queue_poll,
+        _asyncio_queue_drain,
+    ),
 }
 
 
@@ -692,6 +733,65 @@ def _page_aligned(nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return raw[start : start + nbytes]
 
 
+# -- 6. anyio replacements: control calls and blocking calls in threads -------------------------
+
+
+async def _noop() -> None:
+    pass
+
+
+def bench_anyio(n: int) -> list[Row]:
+    """Round trips of LoopThread.call and run_in_thread, against what they replaced."""
+    rows: list[Row] = []
+    with LoopThread("bench-anyio") as portal:
+        loop = portal.loop
+        calls: dict[str, Callable[[], object]] = {
+            "LoopThread.call (anyio portal start_task_soon)": lambda: portal.call(_noop),
+            "run_coroutine_threadsafe(...).result() (before)": lambda: (
+                asyncio.run_coroutine_threadsafe(_noop(), loop).result()
+            ),
+        }
+        for name, call in calls.items():
+            for _ in range(min(200, n)):
+                call()
+            samples = []
+            for _ in range(n // 5):
+                t0 = time.perf_counter_ns()
+                call()
+                samples.append(time.perf_counter_ns() - t0)
+            rows.append((name, f"{pct(samples, 50):.1f}", f"{pct(samples, 99):.1f}"))
+
+        async def in_threads(run: Callable[[], Any]) -> list[int]:
+            samples = []
+            for _ in range(n // 5):
+                t0 = time.perf_counter_ns()
+                await run()
+                samples.append(time.perf_counter_ns() - t0)
+            return samples
+
+        limiter_tier = MemoryTier()
+        runs: dict[str, Callable[[], Any]] = {
+            "AsyncTier.run_in_thread (anyio.to_thread, tier limiter)": lambda: (
+                limiter_tier.run_in_thread(int, 1)
+            ),
+            "asyncio.to_thread + shield (before)": lambda: _shielded_to_thread(int, 1),
+        }
+        for name, run in runs.items():
+            samples = portal.call(in_threads, run)
+            rows.append((name, f"{pct(samples, 50):.1f}", f"{pct(samples, 99):.1f}"))
+    return rows
+
+
+async def _shielded_to_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """What run_in_thread did before anyio: asyncio.to_thread, waited for when cancelled."""
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
+
+
 def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     parser = argparse.ArgumentParser(
@@ -757,6 +857,11 @@ def main() -> None:
         bench_gil(seconds, args.blocks_per_job, block_bytes),
     )
     _bulk_table(seconds, args.blocks_per_job, block_bytes)
+    table(
+        "6. anyio replacements: control round trip (scheduler) and a blocking call in a thread",
+        ("call", "p50 us", "p99 us"),
+        bench_anyio(n),
+    )
 
 
 def _bulk_table(seconds: float, per_job: int, block_bytes: int) -> None:

@@ -1,17 +1,21 @@
-"""LoopThread (a BlockingPortal-style event-loop thread) and the BlockLimiter."""
+"""LoopThread (an anyio blocking portal), run_in_thread (anyio.to_thread) and the BlockLimiter."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Awaitable, Callable
 
+import anyio
+import anyio.to_thread
 import pytest
 
 from tiering.errors import TierClosedError
 from tiering.runtime import LoopThread, WrongThreadError
 from tiering.runtime.limiter import BlockLimiter
 from tiering.runtime.mailbox import Mailbox
-from tiering.tier import run_in_thread
+from tiering.tier import AsyncTier, run_in_thread
 
 
 async def _add(a: int, b: int) -> int:
@@ -174,8 +178,18 @@ async def test_limiter_granted_then_cancelled_gives_units_back() -> None:
     assert limiter.in_use == 0
 
 
-async def test_run_in_thread_returns_and_waits_for_the_thread_when_cancelled() -> None:
-    assert await run_in_thread(sum, [1, 2, 3]) == 6
+def _on_a_loop_thread(body: Callable[[], Awaitable[None]]) -> None:
+    """Run an async test body on a LoopThread, whose close joins anyio's worker threads.
+
+    (Under pytest-asyncio's loop they would outlive the test, still exiting, and
+    show up in the thread-leak checks of later tests.)
+    """
+    with LoopThread("test-body") as portal:
+        portal.call(body)
+
+
+def _blocking_call() -> tuple[threading.Event, threading.Event, list[bool], Callable[[], None]]:
+    """A blocking function that signals ``started``, waits for ``release``, records finishing."""
     started, release = threading.Event(), threading.Event()
     finished: list[bool] = []
 
@@ -183,6 +197,17 @@ async def test_run_in_thread_returns_and_waits_for_the_thread_when_cancelled() -
         started.set()
         release.wait(5)
         finished.append(True)
+
+    return started, release, finished, blocking
+
+
+def test_run_in_thread_returns_and_waits_for_the_thread_when_cancelled() -> None:
+    _on_a_loop_thread(_returns_and_waits_for_the_thread_when_cancelled)
+
+
+async def _returns_and_waits_for_the_thread_when_cancelled() -> None:
+    assert await run_in_thread(sum, [1, 2, 3]) == 6
+    started, release, finished, blocking = _blocking_call()
 
     task = asyncio.ensure_future(run_in_thread(blocking))
     await asyncio.to_thread(started.wait, 5)
@@ -193,3 +218,67 @@ async def test_run_in_thread_returns_and_waits_for_the_thread_when_cancelled() -
     with pytest.raises(asyncio.CancelledError):
         await task
     assert finished == [True]
+
+
+def test_run_in_thread_waits_for_the_thread_when_an_anyio_scope_cancels_it() -> None:
+    _on_a_loop_thread(_waits_for_the_thread_when_an_anyio_scope_cancels_it)
+
+
+async def _waits_for_the_thread_when_an_anyio_scope_cancels_it() -> None:
+    started, release, finished, blocking = _blocking_call()
+
+    async def release_soon() -> None:
+        await asyncio.to_thread(started.wait, 5)
+        await asyncio.sleep(0.05)
+        release.set()
+
+    releaser = asyncio.ensure_future(release_soon())
+    with anyio.move_on_after(0.01) as scope:
+        await run_in_thread(blocking)
+    # The scope's deadline passed long before the thread ended, yet the call returned only
+    # once it had: an anyio cancellation does not abandon the thread either.
+    assert scope.cancelled_caught and finished == [True]
+    await releaser
+
+
+class _ThreadedTier(AsyncTier):
+    max_concurrency = 8
+    max_threads = 2
+
+
+def test_a_tier_runs_at_most_max_threads_blocking_calls_at_once() -> None:
+    _on_a_loop_thread(_at_most_max_threads_blocking_calls_at_once)
+
+
+async def _at_most_max_threads_blocking_calls_at_once() -> None:
+    tier = _ThreadedTier()
+    lock = threading.Lock()
+    active, peak = [0], [0]
+
+    def blocking() -> None:
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.01)
+        with lock:
+            active[0] -= 1
+
+    await asyncio.gather(*(tier.run_in_thread(blocking) for _ in range(8)))
+    assert peak[0] == 2 and tier.thread_limiter.total_tokens == 2
+    assert tier.thread_limiter is tier.thread_limiter  # one limiter per tier
+    assert AsyncTier().thread_limiter.total_tokens == AsyncTier.max_concurrency
+
+
+def test_close_joins_anyio_worker_threads_and_the_portal_runs_calls() -> None:
+    before = set(threading.enumerate())
+    portal = LoopThread("anyio-workers")
+
+    async def use_anyio_threads() -> str:
+        await anyio.to_thread.run_sync(time.sleep, 0)
+        return await run_in_thread(lambda: threading.current_thread().name)
+
+    assert portal.call(use_anyio_threads) == "AnyIO worker thread"
+    assert portal.portal.call(_add, 1, 2) == 3  # the anyio portal itself is usable too
+    assert len(set(threading.enumerate()) - before) >= 2  # the loop and a worker
+    portal.close()
+    assert not set(threading.enumerate()) - before  # the loop thread and anyio's workers joined

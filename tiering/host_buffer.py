@@ -65,7 +65,23 @@ def _validate_name(name: str) -> str:
     return name
 
 
-class HostBuffer:
+class BlockGeometry:
+    """``num_blocks`` rows of ``block_bytes`` bytes: the shape the host buffer and the primary
+    tier share (one home for their geometry properties). Subclasses set the two attributes."""
+
+    _num_blocks: int
+    _block_bytes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+
+class HostBuffer(BlockGeometry):
     """``num_blocks`` rows of ``block_bytes`` bytes in one page-aligned mapping.
 
     Build one with :meth:`create` (anonymous or named shared memory) or
@@ -181,14 +197,6 @@ class HostBuffer:
         return cls(mapping, num_blocks, block_bytes, name=name, owner=False)
 
     # -- geometry and views -------------------------------------------------------------
-
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
 
     @property
     def nbytes(self) -> int:

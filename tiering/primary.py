@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiering.errors import ConfigError, ContractError, TierClosedError
-from tiering.host_buffer import HostBuffer, validate_geometry
+from tiering.host_buffer import BlockGeometry, HostBuffer, validate_geometry
 from tiering.keys import OffloadKey, ReqContext
 from tiering.policies import EvictionPolicy, PolicyChoice, make_policy
 from tiering.specs import CPULoadStoreSpec
@@ -42,7 +42,7 @@ def describe_keys(keys: Sequence[object]) -> str:
     return f"{len(keys)} {noun}: {', '.join(shown)}{more}"
 
 
-class CPUPrimaryTier(OffloadingManager):
+class CPUPrimaryTier(BlockGeometry, OffloadingManager):
     """The seed's CPU ``OffloadingManager``: ``num_blocks`` rows of ``block_bytes`` in host memory.
 
     ``eviction_policy`` is any setting :func:`~tiering.policies.resolve_policy`
@@ -110,14 +110,6 @@ class CPUPrimaryTier(OffloadingManager):
     @property
     def medium(self) -> str:
         return MEDIUM
-
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
-    @property
-    def block_bytes(self) -> int:
-        return self._block_bytes
 
     @property
     def buffer(self) -> HostBuffer:

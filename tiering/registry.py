@@ -5,7 +5,7 @@ found in this order:
 
 1. names given to :func:`register_tier_type`;
 2. the built-in names (:data:`BUILTIN_TIERS`: ``memory``, ``example``, ``fs``,
-   ``redis``), imported only when used;
+   ``redis``, ``directory``), imported only when used;
 3. entry points of the group ``kv_tiering.tiers`` (a third-party package
    declares ``[project.entry-points."kv_tiering.tiers"] mytier = "pkg.mod:MyTier"``);
 4. a ``"package.module:Class"`` path;
@@ -58,6 +58,7 @@ BUILTIN_TIERS: Mapping[str, str] = {
     "example": "tiers.memory:ExampleTier",
     "fs": "tiers.fs:FileSystemTier",
     "redis": "tiers.redis:RedisTier",
+    "directory": "tiers.directory:DirectoryTier",
 }
 
 #: Entry-point group third-party packages use to publish tier types.

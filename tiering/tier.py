@@ -17,8 +17,10 @@ thread, never concurrently with ``open``/``aclose``, and may be called
 concurrently with itself for *different* keys (up to ``max_concurrency``
 operations at once). The framework never issues two operations on the same
 key at once. Nothing a tier does may block the loop: use native async clients,
-``loop.add_reader`` style I/O, or ``asyncio.to_thread`` / an executor for
-blocking calls.
+``loop.add_reader`` style I/O, or :meth:`AsyncTier.run_in_thread` for
+blocking calls. The loop is asyncio run by anyio, so a tier may use anyio's
+structured concurrency too (task groups, cancel scopes, ``move_on_after``,
+``fail_after``, ``anyio.to_thread``) as well as asyncio's.
 
 **Buffers.** ``data`` (``write``) and ``into`` (``read``) are memoryviews of
 exactly ``block_bytes`` bytes, usually rows of the primary tier's host
@@ -28,9 +30,10 @@ hand a buffer to a thread (``asyncio.to_thread``) or to the kernel
 (io_uring), do not return, and do not let a cancellation propagate, until that
 work has stopped touching the buffer: cancelling an ``await`` does not stop a
 thread, and the row may be reused for another block the moment your
-coroutine ends. :func:`run_in_thread` does this for a blocking call
-(``await run_in_thread(os.preadv, fd, [into], offset)``); for io_uring, wait
-for the completion (or a successful cancel) of every submitted entry.
+coroutine ends. :meth:`AsyncTier.run_in_thread` does this for a blocking call
+(``await self.run_in_thread(os.preadv, fd, [into], offset)``), in at most
+``max_threads`` threads at once; for io_uring, wait for the completion (or a
+successful cancel) of every submitted entry.
 
 **Cancellation.** Any coroutine may be cancelled (deadline expiry, shutdown).
 A cancelled ``write`` must never leave a readable partial block: make the
@@ -76,6 +79,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import anyio
+import anyio.to_thread
+
 from tiering.errors import PartialBatchError
 from tiering.keys import OffloadKey
 
@@ -114,8 +120,12 @@ class AsyncTier:
     #: checksum kept in the medium) and raises ``CorruptBlock``. Otherwise the
     #: runtime checksums every block it stores and verifies it when loaded.
     verifies_reads: bool = False
+    #: Most threads :meth:`run_in_thread` occupies at once for this tier
+    #: (one ``anyio.CapacityLimiter`` per tier); ``None``: ``max_concurrency``.
+    max_threads: int | None = None
 
     _context: TierContext | None = None
+    _thread_limiter: anyio.CapacityLimiter | None = None
     _removed_sink: Callable[[Sequence[OffloadKey]], None] | None = None
 
     @classmethod
@@ -251,6 +261,26 @@ class AsyncTier:
         if self._removed_sink is not None and keys:
             self._removed_sink(keys)
 
+    @property
+    def thread_limiter(self) -> anyio.CapacityLimiter:
+        """The ``anyio.CapacityLimiter`` bounding this tier's threads (``max_threads`` tokens).
+
+        Created on first use; pass it to ``anyio.to_thread.run_sync(...,
+        limiter=)`` to share the bound with :meth:`run_in_thread`.
+        """
+        if self._thread_limiter is None:
+            bound = self.max_concurrency if self.max_threads is None else self.max_threads
+            self._thread_limiter = anyio.CapacityLimiter(max(1, bound))
+        return self._thread_limiter
+
+    async def run_in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """Run blocking ``fn(*args)`` in a worker thread, at most ``max_threads`` at once.
+
+        :func:`run_in_thread` with this tier's :attr:`thread_limiter`.
+        Cancellation: waits for ``fn`` to return, then raises ``CancelledError``.
+        """
+        return await run_in_thread(fn, *args, limiter=self.thread_limiter)
+
     def _bind_removed_sink(self, sink: Callable[[Sequence[OffloadKey]], None]) -> None:
         """Framework hook: where :meth:`report_removed` delivers (the runtime sets it)."""
         self._removed_sink = sink
@@ -259,20 +289,35 @@ class AsyncTier:
 T = TypeVar("T")
 
 
-async def run_in_thread(fn: Callable[..., T], *args: object) -> T:
-    """Run blocking ``fn(*args)`` in the loop's default executor and return its result.
+async def run_in_thread(
+    fn: Callable[..., T], *args: object, limiter: anyio.CapacityLimiter | None = None
+) -> T:
+    """Run blocking ``fn(*args)`` in an anyio worker thread and return its result.
 
-    For tier operations that pass a block buffer to a blocking call: unlike a
-    bare ``await asyncio.to_thread(...)``, a cancellation waits for the thread
-    to finish before propagating, so the buffer is never touched after the
-    operation ended (see "Buffers" in this module's contract). Cancellation:
-    waits for ``fn`` to return, then raises ``CancelledError``.
+    ``anyio.to_thread.run_sync`` under ``limiter`` (default: anyio's
+    process-wide limiter of 40 threads; a tier passes its own, see
+    :meth:`AsyncTier.run_in_thread`). For tier operations that pass a block
+    buffer to a blocking call: a cancellation waits for the thread to finish
+    before propagating, so the buffer is never touched after the operation
+    ended (see "Buffers" in this module's contract). anyio's own
+    ``abandon_on_cancel=False`` holds against anyio cancel scopes but not
+    against a plain ``Task.cancel()``, which is how the runtime cancels a job
+    at its deadline (the cancelled await returned while the thread still
+    ran), hence the shield around it. Cancellation: waits for ``fn`` to
+    return, then raises ``CancelledError``.
     """
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    work = asyncio.ensure_future(anyio.to_thread.run_sync(fn, *args, limiter=limiter))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
-        await asyncio.wait([work])
+        # anyio cancel scopes re-deliver their cancellation on every loop turn; the shielded
+        # scope stops that, the loop absorbs repeated Task.cancel() calls.
+        with anyio.CancelScope(shield=True):
+            while not work.done():
+                try:
+                    await asyncio.wait([work])
+                except asyncio.CancelledError:
+                    continue
         if not work.cancelled():
             work.exception()  # retrieved: the cancellation is what propagates
         raise

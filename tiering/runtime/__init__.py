@@ -2,7 +2,7 @@
 
 - :class:`AsyncTierManager` (``facade``): the scheduler-facing ``SecondaryTierManager``.
 - :class:`TierStats` (``stats``): its immutable statistics snapshot.
-- :class:`LoopThread` (``loop_thread``): a named event-loop thread, BlockingPortal-style.
+- :class:`LoopThread` (``loop_thread``): a named event-loop thread on anyio's blocking portal.
 
 See ``docs/runtime.md`` for threads, hand-offs, deadlines, cancellation and shutdown.
 """

@@ -1,22 +1,47 @@
-"""A named thread running one asyncio event loop, and the ways other threads reach it.
+"""A named thread running one event loop under anyio's blocking portal, and the ways in.
 
-Modelled on anyio's ``from_thread.BlockingPortal``: the thread starts on
-construction and is always joined by :meth:`LoopThread.close`; :meth:`call`
-runs a coroutine function on the loop and blocks for its result (exceptions
-keep their type); calling it from the loop thread itself is refused with
-:class:`WrongThreadError` instead of deadlocking. :meth:`call_soon` is the
-cheap, non-blocking hand-off used on hot paths.
+The thread, its loop and the blocking control calls are
+``anyio.from_thread.start_blocking_portal()``: the portal starts the named
+thread and runs the loop (``anyio.run`` on the asyncio backend), and
+:meth:`LoopThread.call` is the portal's ``start_task_soon`` (the coroutine
+runs in the portal's task group; its exception is re-raised with its own
+type; cancelling the future cancels it). This module adds only what a tier
+runtime needs on top:
+
+* a **deadline** on :meth:`LoopThread.call` (at ``timeout`` the call is
+  cancelled through the portal and ``TimeoutError`` raised);
+* the project's error types: :class:`WrongThreadError` (a blocking call from
+  the loop thread itself, refused instead of deadlocking; the portal's own
+  refusal is a bare ``RuntimeError``) and
+  :class:`~tiering.errors.TierClosedError` once closed;
+* a **bounded close**: tasks the tier created with ``loop.create_task``
+  (outside the portal's task group) are cancelled and awaited, async
+  generators and the default executor (``asyncio.to_thread``) are shut down,
+  each within ``timeout_s``; then the portal stops, the thread is joined and
+  so are anyio's worker threads of this loop (``anyio.to_thread``). The
+  portal's own exit joins without a bound, so a loop wedged by a tier's
+  blocking code is left as a daemon thread with an error logged instead.
+
+:meth:`LoopThread.call_soon` (``loop.call_soon_threadsafe``) stays for the
+non-blocking hot path; jobs use :class:`~tiering.runtime.mailbox.Mailbox` on
+:attr:`LoopThread.loop`, because a portal call per job costs a blocking round
+trip on the scheduler thread (``benchmarks/facade.py`` section 1 and
+``docs/runtime.md``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, TypeVar
+
+import anyio.from_thread
 
 from tiering.errors import TierClosedError, TieringError
 
@@ -30,33 +55,37 @@ class WrongThreadError(TieringError, RuntimeError):
 
 
 class LoopThread:
-    """One event loop on its own named thread; a context manager that closes it.
+    """One event loop on its own named thread (an anyio blocking portal); a context manager.
 
     Construction starts the thread and returns once the loop runs.
     :meth:`close` cancels what is left on the loop, shuts down its default
-    executor (the threads of ``asyncio.to_thread``), stops the loop, joins
-    the thread and closes the loop (its selector and self-pipe). Idempotent.
+    executor, stops the portal, joins the thread (and anyio's worker threads)
+    and leaves the loop closed. Idempotent.
     """
 
-    def __init__(self, name: str, *, start_timeout_s: float = 10.0) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
         self._close_lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        if not self._started.wait(start_timeout_s):  # pragma: no cover - a wedged machine
-            raise TimeoutError(f"event-loop thread {name!r} did not start in {start_timeout_s} s")
+        self._portal_cm: contextlib.AbstractContextManager[anyio.from_thread.BlockingPortal] = (
+            anyio.from_thread.start_blocking_portal("asyncio", name=name)
+        )
+        self._portal = self._portal_cm.__enter__()
+        self._loop, self._thread, self._portal_tasks = self._portal.call(_loop_facts)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop (schedule on it only through this class's methods from other threads)."""
+        """The loop (schedule on it only through thread-safe calls from other threads)."""
         return self._loop
 
     @property
     def thread(self) -> threading.Thread:
         return self._thread
+
+    @property
+    def portal(self) -> anyio.from_thread.BlockingPortal:
+        """The anyio portal running the loop (for ``start_task_soon``, context managers...)."""
+        return self._portal
 
     @property
     def closed(self) -> bool:
@@ -66,33 +95,26 @@ class LoopThread:
         """Whether the caller runs on this loop's thread."""
         return threading.get_ident() == self._thread.ident
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.call_soon(self._started.set)
-        try:
-            self._loop.run_forever()
-        finally:
-            asyncio.set_event_loop(None)
-
     def call(
         self,
         fn: Callable[..., Awaitable[T]],
         *args: Any,
         timeout: float | None = None,
     ) -> T:
-        """Run ``fn(*args)`` on the loop and return its result; blocks the calling thread.
+        """Run ``fn(*args)`` on the loop (a portal task) and return its result; blocks.
 
         The coroutine's exception is re-raised with its own type. After
         ``timeout`` seconds the coroutine is cancelled and ``TimeoutError``
-        raised. Raises :class:`WrongThreadError` on the loop thread and
+        raised (the deadline starts once the loop has accepted the call, one
+        round trip). Raises :class:`WrongThreadError` on the loop thread and
         :class:`~tiering.errors.TierClosedError` once closed.
         """
         self._check_callable_from_here("call")
-        future = asyncio.run_coroutine_threadsafe(_invoke(fn, args), self._loop)
+        future = self._portal.start_task_soon(fn, *args)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            future.cancel()  # the portal cancels the coroutine's scope on the loop
             raise TimeoutError(
                 f"{getattr(fn, '__qualname__', fn)!s} did not finish within {timeout} s "
                 f"on event-loop thread {self.name!r}"
@@ -118,7 +140,7 @@ class LoopThread:
             )
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Cancel leftover tasks, shut down the default executor, stop and join. Idempotent.
+        """Cancel leftover tasks, shut down the executor, stop the portal and join. Idempotent.
 
         Waits at most about ``timeout_s`` in all. If the loop is wedged (a
         callback blocking it) the thread is left running as a daemon and an
@@ -132,13 +154,17 @@ class LoopThread:
                     f"LoopThread.close() was called on event-loop thread {self.name!r} itself"
                 )
             self._closed = True
+        deadline = time.monotonic() + timeout_s
+        # Plain asyncio hand-offs, not portal calls: the portal's spawn blocks without a
+        # bound, and close must stay bounded even when a tier wedged the loop.
         finalized = asyncio.run_coroutine_threadsafe(self._finalize(timeout_s * 0.8), self._loop)
         try:
             finalized.result(timeout_s)
         except BaseException:
             logger.exception("event-loop thread %r: finalizing the loop failed", self.name)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
+        with contextlib.suppress(RuntimeError):  # the loop already stopped (it cannot, today)
+            asyncio.run_coroutine_threadsafe(self._portal.stop(), self._loop)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             logger.error(
                 "event-loop thread %r did not stop within %s s (something blocks the loop); "
@@ -147,14 +173,16 @@ class LoopThread:
                 timeout_s,
             )
             return
-        self._loop.close()
+        self._portal_cm.__exit__(None, None, None)  # the thread has ended: returns at once
+        for worker in _anyio_workers_of(self._loop):
+            worker.join(max(0.0, deadline - time.monotonic()))
 
     async def _finalize(self, timeout_s: float) -> None:
-        """Cancel every other task, then shut down async generators and the executor."""
+        """Cancel every task but the portal's, then shut down async generators and the executor."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         me = asyncio.current_task()
-        leftovers = [t for t in asyncio.all_tasks() if t is not me]
+        leftovers = [t for t in asyncio.all_tasks() if t is not me and t not in self._portal_tasks]
         for task in leftovers:
             task.cancel()
         if leftovers:
@@ -190,5 +218,19 @@ class LoopThread:
         return f"<LoopThread {self.name!r} {state}>"
 
 
-async def _invoke(fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
-    return await fn(*args)
+def _loop_facts() -> tuple[asyncio.AbstractEventLoop, threading.Thread, frozenset[object]]:
+    """Run once on the new loop: the loop, its thread and the portal's own tasks (kept alive)."""
+    me = asyncio.current_task()
+    portal_tasks = frozenset(t for t in asyncio.all_tasks() if t is not me)
+    return asyncio.get_running_loop(), threading.current_thread(), portal_tasks
+
+
+def _anyio_workers_of(loop: asyncio.AbstractEventLoop) -> Generator[threading.Thread, None, None]:
+    """anyio's ``to_thread`` worker threads serving ``loop``.
+
+    anyio tells them to stop when the portal's task ends but does not join
+    them; they carry their loop as ``.loop`` (anyio 4's ``WorkerThread``).
+    """
+    for thread in threading.enumerate():
+        if getattr(thread, "loop", None) is loop and thread is not threading.current_thread():
+            yield thread
