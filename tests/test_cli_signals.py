@@ -8,6 +8,7 @@ place and the stack (with its temporary directory) is built, then signals; nothi
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tiering.replay.tempdirs import OWNER_FILE, PREFIX, ReplayTempDir, process_start_time
+from tiering.replay.tempdirs import OWNER_FILE, PREFIX, ReplayTempDir
 from tiering.replay.tempdirs import remove_stale as remove_stale_dirs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,8 +129,6 @@ def test_no_temp_dir_when_every_tier_has_its_own_root_dir(tmp_path: Path) -> Non
 def test_only_directories_whose_owner_is_gone_are_removed(tmp_path: Path) -> None:
     pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
     me = os.getpid()
-    my_start = process_start_time(me)
-    assert my_start
 
     def make(name: str, owner: str | None) -> Path:
         path = tmp_path / name
@@ -140,37 +139,39 @@ def test_only_directories_whose_owner_is_gone_are_removed(tmp_path: Path) -> Non
             (path / OWNER_FILE).write_text(owner)
         return path
 
-    gone = make(f"{PREFIX}{pid_max + 1}-abc", f"{pid_max + 1} 12345\n")  # never a live pid
-    gone_no_record = make(f"{PREFIX}{pid_max + 2}-def", None)
-    reused = make(f"{PREFIX}{me}-ghi", f"{me} {int(my_start) + 1}\n")  # my pid, not my start
-    alive = make(f"{PREFIX}{me}-jkl", f"{me} {my_start}\n")
-    being_made = make(f"{PREFIX}{me}-mno", None)  # its owner has not written the record yet
+    gone = make(f"{PREFIX}{pid_max + 1}-abc", f"{pid_max + 1}\n")  # nobody holds its lock
+    gone_no_record = make(f"{PREFIX}{pid_max + 2}-def", None)  # never a live pid
+    mine = make(f"{PREFIX}{me}-jkl", f"{me}\n")  # this process's own: kept, locked or not
+    being_made = make(f"{PREFIX}1-mno", None)  # pid 1 runs: its record may be on its way
     older_version = make(f"{PREFIX}pqr", None)  # no pid in the name: cannot tell, kept
     older_digits = make(f"{PREFIX}{pid_max + 3}", None)  # an older name that is all digits
     not_ours = make("something-else-1", None)
-    (tmp_path / f"{PREFIX}1-link").symlink_to(alive)  # a symlink is never followed
+    (tmp_path / f"{PREFIX}1-link").symlink_to(mine)  # a symlink is never followed
 
     removed = remove_stale_dirs(tmp_path)
-    # This process's own directories are kept whatever they record (it is running).
     assert sorted(removed) == sorted([gone, gone_no_record])
-    for kept in (reused, alive, being_made, older_version, older_digits, not_ours):
+    for kept in (mine, being_made, older_version, older_digits, not_ours):
         assert kept.is_dir()
     assert (tmp_path / f"{PREFIX}1-link").is_symlink()
 
 
-def test_a_reused_pid_is_told_apart_by_its_start_time(tmp_path: Path) -> None:
-    # pid 1 is always running, and it is not the process that recorded this start time.
-    one_start = process_start_time(1)
-    if one_start is None:
-        pytest.skip("pid 1 is not visible here")
-    reused = tmp_path / f"{PREFIX}1-abc"
-    reused.mkdir()
-    (reused / OWNER_FILE).write_text(f"1 {int(one_start or 0) + 12345}\n")
-    same = tmp_path / f"{PREFIX}1-def"
-    same.mkdir()
-    (same / OWNER_FILE).write_text(f"1 {one_start}\n")
-    assert remove_stale_dirs(tmp_path) == [reused]
-    assert same.is_dir()
+def test_a_directory_is_kept_exactly_while_its_owner_lock_is_held(tmp_path: Path) -> None:
+    """A live pid is not enough (pids are reused; emulators report start times of their
+    own): only the lock its run holds keeps a directory."""
+    held = tmp_path / f"{PREFIX}1-abc"  # pid 1 is always running
+    held.mkdir()
+    (held / OWNER_FILE).write_text("1\n")
+    unheld = tmp_path / f"{PREFIX}1-def"
+    unheld.mkdir()
+    (unheld / OWNER_FILE).write_text("1\n")
+    fd = os.open(held / OWNER_FILE, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as the owning run does, through its own descriptor
+        assert remove_stale_dirs(tmp_path) == [unheld]
+        assert held.is_dir()
+    finally:
+        os.close(fd)
+    assert remove_stale_dirs(tmp_path) == [held]
 
 
 def test_the_temp_dir_is_made_on_first_use_and_removed(tmp_path: Path) -> None:
@@ -178,8 +179,11 @@ def test_the_temp_dir_is_made_on_first_use_and_removed(tmp_path: Path) -> None:
         assert not temp.created and _replay_dirs(tmp_path) == []
         path = temp.path
         assert path.parent == tmp_path and path.name.startswith(f"{PREFIX}{os.getpid()}-")
-        assert (path / OWNER_FILE).read_text().split() == [
-            str(os.getpid()),
-            process_start_time(os.getpid()),
-        ]
+        assert (path / OWNER_FILE).read_text().split() == [str(os.getpid())]
+        # A sweep by another run finds it locked, even though the pid in its name is
+        # not the sweeper's own.
+        other = tmp_path / f"{PREFIX}1-copy"
+        other.mkdir()
+        os.link(path / OWNER_FILE, other / OWNER_FILE)
+        assert remove_stale_dirs(tmp_path) == []
     assert not path.exists()

@@ -3,13 +3,19 @@ and removed by a later run when the process that made it died without cleaning u
 
 A run stopped by SIGKILL (or a crash, or a power cut) cannot remove its directory,
 and a filesystem tier's slabs make it large. Each directory is named
-``tiering-replay-<pid>-<random>`` and records its owner's pid and start time
-(``owner``); a run removes the directories whose owner is no longer running, or
-whose pid now belongs to another process (pids are reused).
+``tiering-replay-<pid>-<random>`` and holds an ``owner`` file that its run keeps
+locked (``flock``) for as long as it lives; the kernel drops the lock when the
+process ends, however it ends. A run removes the directories whose ``owner``
+lock it can take: nobody holds them. A lock proves more than a pid does: pids
+are reused, and a process's start time reads differently through an emulator
+(``qemu-user`` answers ``/proc/self/stat`` itself), which once made a run delete
+the live directory of an emulated one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -24,43 +30,35 @@ PREFIX = "tiering-replay-"
 OWNER_FILE = "owner"
 
 
-def process_start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot), or None if it is not running.
-
-    With the pid it names one process for good: a reused pid has another start time.
-    Where ``/proc`` does not exist, a running pid answers ``""`` (alive, start unknown).
-    """
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat_file:
-            fields = stat_file.read().rpartition(")")[2].split()
-        return fields[19]  # field 22 of stat(5): starttime; fields after "comm" start at 3
-    except FileNotFoundError:
-        return None
-    except (OSError, IndexError):
-        pass
+def _pid_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None
+        return False
     except PermissionError:
-        return ""  # alive, another user's
-    return ""
+        return True  # alive, another user's
+    return True
 
 
 def _owner_alive(directory: Path, pid: int) -> bool:
-    started = process_start_time(pid)
-    if started is None:
-        return False
+    """Whether a live process owns ``directory`` (holds its ``owner`` lock)."""
     try:
-        recorded = (directory / OWNER_FILE).read_text(encoding="ascii").split()
-    except (OSError, UnicodeDecodeError):
-        # Not written yet (its owner is creating it) or unreadable: the pid is alive, keep it.
+        fd = os.open(directory / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        # No record: its owner is creating it (the record appears already locked), or
+        # died before it could; only a pid that no longer runs tells the latter.
+        return _pid_running(pid)
+    except OSError:
+        return True  # unreadable: leave it alone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # locked: its run is alive
+    except OSError:
         return True
-    if not recorded or recorded[0] != str(pid):
-        return True  # not a record of ours: leave it alone
-    if len(recorded) < 2 or not started:
-        return True  # alive, and no start time to tell a reused pid by
-    return recorded[1] == started
+    finally:
+        os.close(fd)  # also drops the lock taken just now
+    return False
 
 
 def remove_stale(parent: str | Path | None = None) -> list[Path]:
@@ -108,6 +106,7 @@ class ReplayTempDir:
     def __init__(self, parent: str | Path | None = None) -> None:
         self._parent = parent
         self._path: Path | None = None
+        self._owner_fd = -1  # the locked ``owner`` file, held while the directory lives
 
     @property
     def created(self) -> bool:
@@ -119,13 +118,23 @@ class ReplayTempDir:
             pid = os.getpid()
             path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-", dir=self._parent))
             self._path = path
-            (path / OWNER_FILE).write_text(f"{pid} {process_start_time(pid) or ''}\n")
+            # Locked before it gets its name, so a sweep never finds it unlocked.
+            pending = path / f".{OWNER_FILE}.new"
+            fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, f"{pid}\n".encode())
+            os.rename(pending, path / OWNER_FILE)
+            self._owner_fd = fd
         return self._path
 
     def cleanup(self) -> None:
         path, self._path = self._path, None
         if path is not None:
             shutil.rmtree(path, ignore_errors=True)
+        if self._owner_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._owner_fd)
+            self._owner_fd = -1
 
     def __enter__(self) -> ReplayTempDir:
         return self
