@@ -24,9 +24,8 @@ from tests.support.redis_server import (
     redis_server,  # noqa: F401
     redis_server_factory,  # noqa: F401
 )
-from tests.support.redis_tier import count_round_trips
+from tests.support.redis_tier import count_round_trips, run_job
 from tiering.errors import ConfigError
-from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
@@ -67,23 +66,6 @@ def keys(count: int) -> list[OffloadKey]:
 def fill(rows: Rows, block_ids: list[int]) -> None:
     for row in block_ids:
         rows[row] = np.frombuffer(os.urandom(BLOCK_BYTES), dtype=np.uint8)
-
-
-_job_ids = iter(range(1, 1 << 30))
-
-
-def run_job(
-    manager: AsyncTierManager, block_keys: list[OffloadKey], block_ids: list[int], *, load: bool
-) -> JobResult:
-    job = JobMetadata(next(_job_ids), tuple(block_keys), np.array(block_ids), is_promotion=load)
-    if load:
-        manager.submit_load(job)
-    else:
-        manager.submit_store(job)
-    manager.drain(WAIT_S)
-    (result,) = list(manager.get_finished())
-    assert result.job_id == job.job_id
-    return result
 
 
 def resolved_lookup(manager: AsyncTierManager, key: OffloadKey) -> bool:

@@ -41,11 +41,11 @@ from tests.support.redis_tier import (
     new_keys,
     opened_tier,
     read_back,
+    run_job,
     views,
 )
 from tiering.auth import BlockAuthenticator
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
-from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
@@ -84,23 +84,6 @@ def engine(config: dict[str, Any]) -> Iterator[tuple[AsyncTierManager, Rows]]:
         yield manager, rows
     finally:
         manager.shutdown()
-
-
-_job_ids = iter(range(1, 1 << 30))
-
-
-def run_job(
-    manager: AsyncTierManager, block_keys: list[OffloadKey], block_ids: list[int], *, load: bool
-) -> JobResult:
-    job = JobMetadata(next(_job_ids), tuple(block_keys), np.array(block_ids), is_promotion=load)
-    if load:
-        manager.submit_load(job)
-    else:
-        manager.submit_store(job)
-    manager.drain(WAIT_S)
-    (result,) = list(manager.get_finished())
-    assert result.job_id == job.job_id
-    return result
 
 
 def forged_value(namespace: str, key: OffloadKey, payload: bytes) -> bytes:

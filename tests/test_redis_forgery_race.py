@@ -22,8 +22,8 @@ import numpy.typing as npt
 import pytest
 
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.support.redis_tier import run_job
 from tiering.auth import BlockAuthenticator
-from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
@@ -50,22 +50,6 @@ def engine(config: dict[str, Any]) -> Iterator[tuple[AsyncTierManager, Rows]]:
         yield manager, rows
     finally:
         manager.shutdown()
-
-
-_job_ids = iter(range(1, 1 << 30))
-
-
-def run_job(
-    manager: AsyncTierManager, keys: list[OffloadKey], rows: list[int], *, load: bool
-) -> JobResult:
-    job = JobMetadata(next(_job_ids), tuple(keys), np.array(rows), is_promotion=load)
-    if load:
-        manager.submit_load(job)
-    else:
-        manager.submit_store(job)
-    manager.drain(WAIT_S)
-    (result,) = list(manager.get_finished())
-    return result
 
 
 class Corruptor:

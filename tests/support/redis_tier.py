@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
+
+from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import OffloadKey, make_offload_key
+from tiering.runtime import AsyncTierManager
 from tiering.tier import TierContext
 from tiers.redis import RedisTier
 
@@ -81,3 +86,26 @@ def collect_removed(tier: RedisTier) -> list[OffloadKey]:
     removed: list[OffloadKey] = []
     tier._bind_removed_sink(removed.extend)
     return removed
+
+
+_job_ids = itertools.count(1)
+
+
+def run_job(
+    manager: AsyncTierManager,
+    block_keys: list[OffloadKey],
+    block_ids: list[int],
+    *,
+    load: bool,
+    wait_s: float = 20.0,
+) -> JobResult:
+    """Submit one store (or load) job through the facade and return its result."""
+    job = JobMetadata(next(_job_ids), tuple(block_keys), np.array(block_ids), is_promotion=load)
+    if load:
+        manager.submit_load(job)
+    else:
+        manager.submit_store(job)
+    manager.drain(wait_s)
+    (result,) = list(manager.get_finished())
+    assert result.job_id == job.job_id
+    return result
