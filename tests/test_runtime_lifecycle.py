@@ -23,6 +23,7 @@ from tests.runtime_support import (
     wait_until,
 )
 from tiering.errors import BlockNotFound, TierClosedError
+from tiering.jobs import JobResult
 from tiering.keys import NO_CONTEXT, OffloadKey
 from tiering.runtime import AsyncTierManager
 from tiering.testing.faults import FaultPlan, FaultyTier
@@ -53,12 +54,27 @@ def test_an_expired_job_fails_cleanly_and_the_tier_keeps_working() -> None:
 
 def test_a_load_deadline_covers_waiting_for_a_slow_store_of_the_same_key() -> None:
     buf = primary()
-    tier = FaultyTier(MemoryTier(), FaultPlan(delay_rate=1.0, delay_s=0.5, ops={"write"}))
-    with AsyncTierManager(tier, buf.data, "slow", job_timeout_s=0.25) as manager:
+    # The store holds its key until released, past both deadlines: with a store that
+    # gave up at its own deadline (a few microseconds before the load's), the load
+    # would find the key free and fail as "not in tier" instead, by a race.
+    tier = GatedTier(shield_writes=True)
+    with AsyncTierManager(
+        tier, buf.data, "slow", job_timeout_s=0.25, cancel_grace_s=10, shutdown_timeout_s=5
+    ) as manager:
         fill(buf, 0)
         manager.submit_store(store(1, [key(1)], [0]))
         manager.submit_load(load(2, [key(1)], [3]))
-        got = results(manager)
+        got: dict[int, JobResult] = {}
+
+        def load_reported() -> bool:
+            got.update((r.job_id, r) for r in manager.get_finished())
+            return 2 in got
+
+        try:
+            wait_until(load_reported)  # while the store still holds the key
+        finally:
+            tier.release.set()
+        got.update(results(manager))
         assert not got[1].success and not got[2].success
         assert "deadline" in (got[2].error or "")
 
