@@ -6,11 +6,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Every install is constrained by the lock, so a fresh machine gets the versions CI ran.
 LOCK   := constraints.txt
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
+# setup.py builds the optional C extension in place (tiering/copy/_bulkcopy.c): a change
+# to either rebuilds it.
+NATIVE := setup.py tiering/copy/_bulkcopy.c
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(NATIVE) | sha1sum | cut -c1-12)
 
 .PHONY: demo test lint typecheck unit docs install lock clean
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml $(LOCK) $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c $(LOCK) --upgrade pip
 	# torch first, pinned: a bare requirement would pull a multi-GB CUDA build.

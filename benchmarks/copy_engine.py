@@ -6,9 +6,11 @@ through the public worker API (submit + wait), against ``np.copyto`` of one
 contiguous buffer of the same size (the ceiling). Target: >= 70 % of memcpy at
 >= 256 KiB. A second set of rows spreads each block over 8 layer tensors
 (pages of 1/8 of the block), the shape of a real model's KV cache; those run
-once per way of :mod:`tiering.copy.bulk` (``memmove``, the default, and the
-opt-in ``process_vm`` where the kernel allows it), engine column
-``host/<way>``. Target: >= 70 % of memcpy for every shape.
+once per way of :mod:`tiering.copy.bulk` (``native``, the C extension and
+the default where built; ``memmove``, the ctypes fallback; the opt-in
+``process_vm`` where the kernel allows it), engine column ``host/<way>``; the
+single-layer rows use the default way. Target: >= 70 % of memcpy for every
+shape.
 
 CUDA (only where a device exists): the same jobs between a CUDA KV tensor and
 the pinned primary buffer, per strategy, against one ``cudaMemcpyAsync`` of a
@@ -237,8 +239,9 @@ def main(argv: Any = None) -> None:
     if not args.no_layers:
         for mode in bulk.MODES:
             bulk._reset_for_tests(mode)
-            if mode == "process_vm" and not bulk.uses_system_call():
-                rows.append((f"host/{mode}", "-", "-", "n/a", "", "refused by this kernel"))
+            if bulk.active_mode() != mode:
+                why = "not built" if mode == "native" else "refused by this kernel"
+                rows.append((f"host/{mode}", "-", "-", "n/a", "", why))
                 continue
             for block in BLOCK_SIZES:
                 rows += host_rows_for(block, 8, job_bytes, args.reps, f"host/{mode}")

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import itertools
+import json
+import shutil
+import site
+import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,15 +21,17 @@ from hypothesis import strategies as st
 from tiering.copy import bulk
 
 Bytes = np.ndarray[Any, np.dtype[np.uint8]]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(params=bulk.MODES)
 def mode(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each test runs with the memmove loop and with the batched system call (where it works)."""
+    """Each test runs with every way that works here: the C extension, the memmove loop,
+    the batched system call."""
     bulk._reset_for_tests(request.param)
-    if request.param == "process_vm" and not bulk.uses_system_call():
+    if bulk.active_mode() != request.param:
         bulk._reset_for_tests(None)
-        pytest.skip("process_vm_writev is unavailable on this machine")
+        pytest.skip(f"bulk-copy way {request.param!r} is unavailable here")
     yield request.param
     bulk._reset_for_tests(None)
 
@@ -103,14 +111,50 @@ def test_tables_of_different_sizes_are_refused() -> None:
         bulk.copy_regions([1, 2], [3], [4, 5])
 
 
-@pytest.mark.parametrize("value", ["", "memmove", "bogus"])
-def test_the_memmove_loop_is_the_default(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+@pytest.mark.parametrize("value", ["", "bogus"])
+def test_the_extension_is_the_default_where_built(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
     monkeypatch.setenv(bulk.ENV_MODE, value)
     bulk._reset_for_tests(None)
     try:
+        assert bulk.active_mode() == ("native" if bulk.native_available() else "memmove")
         assert not bulk.uses_system_call()
     finally:
         bulk._reset_for_tests(None)
+
+
+def test_without_the_extension_the_memmove_loop_copies(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(bulk, "_native", None)
+    monkeypatch.setenv(bulk.ENV_MODE, "native")
+    bulk._reset_for_tests(None)
+    try:
+        assert bulk.active_mode() == "memmove" and not bulk.native_available()
+        src = np.arange(64, dtype=np.uint8)
+        dst = np.zeros(64, dtype=np.uint8)
+        bulk.copy_regions([_addr(src)], [_addr(dst)], 64)
+        assert np.array_equal(src, dst)
+    finally:
+        bulk._reset_for_tests(None)
+    assert "was not built" in caplog.text
+
+
+def test_the_extension_is_built_by_an_install_that_had_a_compiler() -> None:
+    """``make install`` (an editable install of this tree) must not silently lose it."""
+    installed = list(
+        importlib.metadata.distributions(name="kv-tiering", path=site.getsitepackages())
+    )
+    if not installed:
+        pytest.skip("kv-tiering is not installed in this interpreter's site-packages")
+    url = json.loads(installed[0].read_text("direct_url.json") or "{}")
+    editable = url.get("dir_info", {}).get("editable", False)
+    if not editable or Path(url.get("url", "").removeprefix("file://")) != ROOT:
+        pytest.skip("kv-tiering is not installed in editable mode from this tree")
+    if shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc") is None:
+        pytest.skip("no C compiler here: the install rightly went on without the extension")
+    assert bulk.native_available(), "setup.py did not build tiering.copy._bulkcopy"
 
 
 def test_the_system_call_is_chosen_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,6 +165,14 @@ def test_the_system_call_is_chosen_from_the_environment(monkeypatch: pytest.Monk
         assert bulk.uses_system_call() == (bulk._probe_system_call() is not None)
     finally:
         bulk._reset_for_tests(None)
+
+
+@pytest.fixture
+def ctypes_way() -> Iterator[None]:
+    """The fallback ways' code path (the tests below replace the system call with a fake)."""
+    bulk._reset_for_tests("memmove")
+    yield
+    bulk._reset_for_tests(None)
 
 
 class _ShortWritev:
@@ -136,6 +188,7 @@ class _ShortWritev:
 
 
 @pytest.mark.parametrize(("result", "errno"), [(5, 0), (0, 0), (-1, 1), (-1, 38)])
+@pytest.mark.usefixtures("ctypes_way")
 def test_a_partial_or_refused_system_call_is_finished_by_the_loop(
     monkeypatch: pytest.MonkeyPatch, result: int, errno: int
 ) -> None:
@@ -148,6 +201,7 @@ def test_a_partial_or_refused_system_call_is_finished_by_the_loop(
     assert np.array_equal(dst, np.concatenate([src[32:], src[:32]]))
 
 
+@pytest.mark.usefixtures("ctypes_way")
 def test_a_bad_address_from_the_kernel_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bulk, "_system_call", lambda: _ShortWritev(-1, 14))  # EFAULT
     src = np.zeros(8, dtype=np.uint8)
@@ -155,6 +209,7 @@ def test_a_bad_address_from_the_kernel_raises(monkeypatch: pytest.MonkeyPatch) -
         bulk.copy_regions([_addr(src)], [_addr(src)], [8])
 
 
+@pytest.mark.usefixtures("ctypes_way")
 def test_large_regions_take_the_memmove_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _ShortWritev(-1, 14)  # would raise if it were used
     monkeypatch.setattr(bulk, "_system_call", lambda: fake)
@@ -253,3 +308,68 @@ def test_one_small_length_copies_in_gil_held_batches(monkeypatch: pytest.MonkeyP
         bulk._reset_for_tests(None)
     assert np.array_equal(src, dst)
     assert releases == [0, 0, 0]  # batches of 4, 4 and 2 copies, a release point after each
+
+
+native_only = pytest.mark.skipif(not bulk.native_available(), reason="the extension is not built")
+
+
+@native_only
+@pytest.mark.parametrize("length", [1, 63, 4096, 8192 + 5])
+@pytest.mark.parametrize("misalign", [0, 1, 15])
+def test_large_tables_stream_exact_bytes(length: int, misalign: int) -> None:
+    """Tables of 4 MiB or more take the non-temporal path: unaligned heads and tails too."""
+    count = (4 << 20) // length + 3
+    rng = np.random.default_rng(length + misalign)
+    src = rng.integers(0, 256, count * length + 64, dtype=np.uint8)
+    dst = np.zeros(count * length + 64, dtype=np.uint8)
+    order = rng.permutation(count)
+    starts = np.arange(count, dtype=np.uint64) * np.uint64(length)
+    bulk._reset_for_tests("native")
+    try:
+        bulk.copy_regions(
+            _addr(src) + misalign + starts[order], _addr(dst) + misalign + starts, length
+        )
+    finally:
+        bulk._reset_for_tests(None)
+    body = dst[misalign : misalign + count * length].reshape(count, length)
+    assert np.array_equal(
+        body, src[misalign : misalign + count * length].reshape(count, length)[order]
+    )
+    assert not dst[:misalign].any() and not dst[misalign + count * length :].any()
+
+
+@native_only
+def test_a_region_copied_onto_itself_in_a_large_table_is_unchanged() -> None:
+    size = 5 << 20
+    buf = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    before = buf.copy()
+    bulk._reset_for_tests("native")
+    try:
+        bulk.copy_regions([_addr(buf)], [_addr(buf)], size)
+    finally:
+        bulk._reset_for_tests(None)
+    assert np.array_equal(buf, before)
+
+
+@native_only
+@pytest.mark.parametrize(
+    ("src", "dst", "lengths", "error", "match"),
+    [
+        ([1, 2], [3], 8, ValueError, "one size"),
+        ([1], [2], [1, 2], ValueError, "1 regions but 2 lengths"),
+        ([1], [2], -1, ValueError, "non-negative"),
+        ([1], [2], np.array([-1]), ValueError, "impossible length"),
+        ([-1], [2], 0, ValueError, r"src\[0\] is not an address"),
+        (np.zeros((1, 1), np.uint64), [2], 0, ValueError, "1-D"),
+        (np.zeros(1, np.float64), [2], 0, TypeError, "integers"),
+    ],
+)
+def test_the_extension_refuses_bad_tables_before_copying(
+    src: Any, dst: Any, lengths: Any, error: type[Exception], match: str
+) -> None:
+    bulk._reset_for_tests("native")
+    try:
+        with pytest.raises(error, match=match):
+            bulk.copy_regions(src, dst, lengths)
+    finally:
+        bulk._reset_for_tests(None)

@@ -1,31 +1,35 @@
 """Many memory-to-memory copies with the bytes moved outside the GIL.
 
 :func:`copy_regions` copies a table of regions (source address, destination
-address, length), built with numpy once per job. Two ways, chosen per process:
+address, length). Three ways, chosen once per process:
 
-* ``memmove`` (default): a C-level loop (``map`` over ``ctypes.memmove``, no
-  bytecode per region). Copies of :data:`HOLD_GIL_MAX_BYTES` (16 KiB) or more
-  each run with the GIL released; smaller ones run with the GIL held, in
-  batches of about 16 KiB (about 1.5 us) with a GIL release between batches:
-  for a small copy the hand-over costs more than the copy, and a thread
+* ``native`` (the default where it was built): one call into the optional C
+  extension :mod:`tiering.copy._bulkcopy`, which copies every region with the
+  GIL released once for the whole table (held for tables under
+  :data:`HOLD_GIL_MAX_BYTES`, where the hand-over costs more than the copies).
+  It prefetches a few regions ahead and, for tables of 4 MiB or more, writes
+  with non-temporal stores: regions of a few KiB at scattered addresses are
+  bound by memory latency, not by the interpreter. Measured on these machines,
+  % of one large memcpy, 8 x 8 KiB layers of random blocks: ctypes loop
+  22-31 %, one C memmove loop 54-63 %, with prefetching and streaming stores
+  84-93 % (``benchmarks/copy_engine.py``). One GIL hand-over per call also
+  means a copying thread behind a busy scheduler thread waits for the GIL
+  once per job, not once per region.
+* ``memmove`` (the fallback where no C compiler was present at install): a
+  C-level loop (``map`` over ``ctypes.memmove``, no bytecode per region), about
+  0.3 us of call overhead per region. Copies of :data:`HOLD_GIL_MAX_BYTES`
+  (16 KiB) or more each run with the GIL released; smaller ones run with the
+  GIL held, in batches of about 16 KiB with a release point between (a thread
   that releases the GIL behind a busy Python thread waits up to the switch
-  interval (5 ms) to get it back, each time. Measured on these machines:
-  89-110 % of one large memcpy for 32 KiB regions at random offsets (best
-  of 40), where the numpy slice loop it replaced held the GIL for about 1 us
-  of Python per region.
-* ``process_vm`` (opt-in, ``TIERING_BULK_COPY=process_vm``): one system call
-  per :data:`IOV_MAX` regions, Linux's ``process_vm_writev`` on this very
-  process, which releases the GIL once for the whole batch (a thread that
-  gets the GIL back behind a busy Python thread waits up to the switch
-  interval, 5 ms, so one hand-off per batch instead of one per region matters
-  when the scheduler thread is CPU-bound). The kernel pins every page it
-  copies: 43-47 % of memcpy at 32 KiB regions (best of 40; 29-32 % at
-  8 KiB), which is why it is not the default. It is tried once per process
-  in a child process first, as a seccomp policy may kill the caller with
-  SIGSYS, which cannot be caught; where it fails, ``memmove`` is used.
+  interval, 5 ms, to get it back, each time).
+* ``process_vm`` (opt-in): one system call per :data:`IOV_MAX` regions,
+  Linux's ``process_vm_writev`` on this very process. The kernel pins every
+  page it copies: 43-47 % of memcpy at 32 KiB regions, 29-32 % at 8 KiB. It
+  is tried once per process in a child process first, as a seccomp policy may
+  kill the caller with SIGSYS, which cannot be caught.
 
-Regions of :data:`LOOP_MIN_REGION_BYTES` or more (on average) always take the
-memmove loop: per-region overhead is negligible there.
+``TIERING_BULK_COPY`` (:data:`ENV_MODE`) picks a way; one that cannot be used
+here falls back to the default with a log line.
 
 Callers guarantee that every region lies inside memory they hold for the
 duration of the call, and that no destination overlaps any source of the
@@ -45,10 +49,17 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+_native: ModuleType | None
+try:  # built at install where a C compiler was present (setup.py): optional
+    from tiering.copy import _bulkcopy as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +71,10 @@ IOV_MAX = 1024
 #: Regions at least this long (on average) are copied by a memmove loop.
 LOOP_MIN_REGION_BYTES = 256 << 10
 
-#: Environment variable choosing the way: ``memmove`` (default) or ``process_vm``.
+#: Environment variable choosing the way: ``native`` (the default where built),
+#: ``memmove`` (the default elsewhere) or ``process_vm``.
 ENV_MODE = "TIERING_BULK_COPY"
-MODES = ("memmove", "process_vm")
+MODES = ("native", "memmove", "process_vm")
 
 #: Copies shorter than this are made with the GIL held, in runs of at most
 #: this many bytes (about 1.5 us of memcpy), with a GIL release between runs.
@@ -122,29 +134,58 @@ sys.exit(0 if n == 8 and dst.raw == b"bulkcopy" else 3)
 """
 
 _lock = threading.Lock()
-_probed = False
+_mode: str | None = None  # the way chosen; None until the first copy
 _writev: _VmWritev | None = None
 
 
-def _system_call() -> _VmWritev | None:
-    """The system call if this process may use it (probed once, in a child first)."""
-    global _probed, _writev
-    if _probed:
-        return _writev
+def native_available() -> bool:
+    """Whether the C extension was built for this interpreter."""
+    return _native is not None
+
+
+def _default_mode() -> str:
+    return "native" if _native is not None else "memmove"
+
+
+def active_mode() -> str:
+    """The way this process copies: ``native``, ``memmove`` or ``process_vm`` (chosen once)."""
+    mode = _mode
+    if mode is not None:
+        return mode
     with _lock:
-        if not _probed:
-            _writev = _probe()
-            _probed = True
+        if _mode is None:
+            _choose(os.environ.get(ENV_MODE, "").strip().lower() or _default_mode())
+        assert _mode is not None
+        return _mode
+
+
+def _choose(wanted: str) -> None:
+    """Set the way to ``wanted`` if it can be used here, else to the default (log why)."""
+    global _mode, _writev
+    _writev = None
+    if wanted not in MODES:
+        logger.warning(
+            "%s=%r is not one of %s; using %s", ENV_MODE, wanted, ", ".join(MODES), _default_mode()
+        )
+        wanted = _default_mode()
+    if wanted == "native" and _native is None:
+        logger.warning(
+            "%s=native, but tiering.copy._bulkcopy was not built (no C compiler at install); "
+            "using memmove",
+            ENV_MODE,
+        )
+        wanted = "memmove"
+    if wanted == "process_vm":
+        _writev = _probe_system_call()
+        if _writev is None:
+            wanted = _default_mode()
+    _mode = wanted
+
+
+def _system_call() -> _VmWritev | None:
+    """The system call if this process uses it (opt-in; probed once, in a child first)."""
+    active_mode()
     return _writev
-
-
-def _probe() -> _VmWritev | None:
-    mode = os.environ.get(ENV_MODE, "").strip().lower() or "memmove"
-    if mode not in MODES:
-        logger.warning("%s=%r is not one of %s; using memmove", ENV_MODE, mode, ", ".join(MODES))
-    if mode != "process_vm":
-        return None
-    return _probe_system_call()
 
 
 def _probe_system_call() -> _VmWritev | None:
@@ -183,7 +224,7 @@ def _probe_system_call() -> _VmWritev | None:
 
 def uses_system_call() -> bool:
     """Whether small regions are copied by one GIL-free system call per batch (opt-in)."""
-    return _system_call() is not None
+    return active_mode() == "process_vm"
 
 
 def copy_regions(
@@ -195,13 +236,17 @@ def copy_regions(
 
     ``src`` and ``dst`` are lists of Python ints or 1-D integer arrays, of one
     size; ``lengths`` one of the same size, or one int for every region.
-    Zero lengths are allowed. The GIL is released for every copy of
-    :data:`HOLD_GIL_MAX_BYTES` or more and between batches of about that many
-    bytes of smaller copies (the default), or once per batch of
-    :data:`IOV_MAX` regions where :func:`uses_system_call`. Raises
-    ``OSError`` if the kernel refuses an address (a caller's bug: the bytes
-    copied before it stay copied).
+    Zero lengths are allowed. The GIL is released once for the whole table
+    when it holds :data:`HOLD_GIL_MAX_BYTES` or more (``native``), for every
+    copy of that size or more and between batches of about that many bytes
+    of smaller copies (``memmove``), or once per batch of :data:`IOV_MAX`
+    regions (``process_vm``); see :func:`active_mode`. Raises ``OSError`` if
+    the kernel refuses an address (a caller's bug: the bytes copied before it
+    stay copied).
     """
+    if active_mode() == "native":
+        _copy_native(src, dst, lengths)
+        return
     s_list, d_list = _as_list(src), _as_list(dst)
     n = len(s_list)
     if len(d_list) != n:
@@ -241,6 +286,41 @@ def copy_regions(
         # A partial or refused batch: copy it again region by region (the
         # destinations do not overlap the sources, so repeating is harmless).
         _memmove_loop(s_list[start:stop], d_list[start:stop], len_a[start:stop])
+
+
+def _copy_native(
+    src: Sequence[int] | npt.ArrayLike,
+    dst: Sequence[int] | npt.ArrayLike,
+    lengths: int | Sequence[int] | npt.ArrayLike,
+) -> None:
+    s_table, d_table = _as_table(src), _as_table(dst)
+    if len(s_table) != len(d_table):
+        raise ValueError(
+            f"src has {len(s_table)} addresses, dst {len(d_table)}: they must be of one size"
+        )
+    if isinstance(lengths, (int, np.integer)):
+        assert _native is not None
+        _native.copy_regions(s_table, d_table, int(lengths), HOLD_GIL_MAX_BYTES)
+        return
+    len_table = _as_table(lengths)
+    if len(len_table) != len(s_table):
+        raise ValueError(f"{len(s_table)} regions but {len(len_table)} lengths")
+    assert _native is not None
+    _native.copy_regions(s_table, d_table, len_table, HOLD_GIL_MAX_BYTES)
+
+
+def _as_table(values: Sequence[int] | npt.ArrayLike) -> Sequence[int] | npt.NDArray[Any]:
+    """A list as it is (the extension converts it), an array as 1-D 8-byte integers."""
+    if isinstance(values, list):
+        return values
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"addresses and lengths must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"addresses and lengths must be integers, got {arr.dtype}")
+    if arr.dtype.itemsize != 8 or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr, dtype=np.uint64)
+    return arr
 
 
 def _as_list(values: Sequence[int] | npt.ArrayLike) -> list[int]:
@@ -320,12 +400,14 @@ def address_of(view: memoryview) -> int:
 
 
 def _reset_for_tests(mode: str | None) -> None:
-    """Tests: ``"memmove"`` forces the loop, ``"process_vm"`` probes the system call,
-    None forgets the choice (the environment decides again at the next copy)."""
-    global _probed, _writev
+    """Tests: use way ``mode`` where it works here (else the default), or forget the
+    choice with None (the environment decides again at the next copy)."""
+    global _mode, _writev
     with _lock:
-        _probed = mode is not None
-        _writev = _probe_system_call() if mode == "process_vm" else None
+        if mode is None:
+            _mode, _writev = None, None
+        else:
+            _choose(mode)
 
 
 __all__ = [
@@ -334,7 +416,9 @@ __all__ = [
     "IOV_MAX",
     "LOOP_MIN_REGION_BYTES",
     "MODES",
+    "active_mode",
     "address_of",
     "copy_regions",
+    "native_available",
     "uses_system_call",
 ]
