@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiering.cli.exits import UsageError
 from tiering.errors import ConfigError
 from tiering.units import parse_size
+
+N = TypeVar("N", int, float)
 
 
 def size_arg(text: str) -> int:
@@ -24,41 +27,36 @@ def size_arg(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, convert: Callable[[str], N], kind: str) -> N:
     try:
-        value = int(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _number(text, int, "an integer")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    value = _number(text, int, "an integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
+    value = _number(text, float, "a number")
+    if not value >= 0:  # not `value < 0`: NaN is refused too
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = _number(text, float, "a number")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
