@@ -11,7 +11,8 @@ from tiers.fs.config import FsTierConfig
 from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.errors import RootInUseError, TierFullError
 from tiers.fs.files import UnsafeFileError
-from tiers.fs.tier import FileSystemTier, FsTierStats
+from tiers.fs.state import FsTierStats
+from tiers.fs.tier import FileSystemTier
 
 __all__ = [
     "FileSystemTier",

@@ -1,0 +1,136 @@
+"""The read path: pin the blocks, read them, verify each one, drop the ones that fail.
+
+:func:`read_blocks` pins each key's slot (so no write reuses it meanwhile),
+reads the batch with vectored ops and checks every block against its
+xxh3-128 checksum (and its MAC tag when the tier has a key) as each op
+completes. A block that fails (checksum, tag, short read or I/O error) is
+dropped from the index with a DEL record and reported removed: a miss from
+then on, never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Sequence
+
+from tiering.errors import BlockNotFound, CorruptBlock
+from tiering.keys import OffloadKey
+from tiers.fs.index import Entry
+from tiers.fs.io import IoOp, OpKind
+from tiers.fs.planning import block_views, plan_ops
+from tiers.fs.records import encode_del
+from tiers.fs.state import Block, OpenState, checksum, notify_room
+
+logger = logging.getLogger(__name__)
+
+
+async def read_blocks(
+    state: OpenState, keys: Sequence[OffloadKey], views: Sequence[memoryview]
+) -> dict[bytes, BaseException]:
+    """Read ``keys`` into ``views``; the errors of the blocks that failed, by key."""
+    if len(keys) != len(views):
+        raise ValueError(f"{len(keys)} keys but {len(views)} buffers")
+    into = block_views(views, state.geometry.block_bytes, writable=True)
+    errors: dict[bytes, BaseException] = {}
+    blocks: list[Block] = []
+    index = state.index
+    for key, view in zip(keys, into, strict=True):
+        entry = index.pin(key)
+        if entry is None:
+            errors[key] = BlockNotFound(key)
+        else:
+            blocks.append(Block(key, view, entry.slot, entry))
+    if not blocks:
+        return errors
+    try:
+        plan = plan_ops(state, blocks, OpKind.READ)
+        for op, group in plan:  # verify each op's blocks as soon as it completes
+            op.on_done = functools.partial(_settle_read, state, group=group)
+        await state.backend.run([op for op, _ in plan])
+    finally:
+        for block in blocks:
+            index.unpin(block.slot)
+            if block.bounce is not None:
+                state.bounce.give(block.bounce)
+                block.bounce = None
+        notify_room(state)
+    stats = state.stats
+    block_bytes = state.geometry.block_bytes
+    for block in blocks:
+        if block.error is None:
+            index.access(block.key)
+            stats.blocks_read += 1
+            stats.bytes_read += block_bytes
+        else:
+            errors[block.key] = block.error
+            stats.read_failures += 1
+            assert block.entry is not None
+            _drop(state, block.key, block.entry, block.error)
+    return errors
+
+
+def _settle_read(state: OpenState, op: IoOp, *, group: list[Block]) -> None:
+    block_bytes = state.geometry.block_bytes
+    io_len = op.nbytes // len(group)
+    for i, block in enumerate(group):
+        if op.done < (i + 1) * io_len:
+            if op.error is not None:
+                block.error = op.error
+            else:
+                got = max(0, op.done - i * io_len)
+                block.error = CorruptBlock(block.key, f"short read: {got} of {io_len} bytes")
+            continue
+        if block.bounce is not None:
+            block.view[:] = block.bounce[:block_bytes]
+        entry = block.entry
+        assert entry is not None
+        if checksum(block.view) != entry.checksum:
+            block.error = CorruptBlock(block.key, "checksum mismatch")
+        elif state.auth is not None:
+            block.error = _authentication_error(state, block.key, block.view, entry)
+
+
+def _drop(state: OpenState, key: OffloadKey, entry: Entry, why: BaseException) -> None:
+    """Forget a block that failed to read, so it is a miss from now on."""
+    if state.index.get(key) is not entry:
+        return
+    stats = state.stats
+    if isinstance(why, _AuthenticationFailed):
+        stats.auth_failures += 1
+        if stats.auth_failures == 1:  # once per tier: a forger must not flood the log
+            logger.error(
+                "fs tier %s: block %s failed authentication (%s) and was deleted; someone "
+                "without the key wrote to %s. Further failures are only counted "
+                "(stats.auth_failures)",
+                state.name,
+                key.hex(),
+                why,
+                state.config.root_dir,
+            )
+    elif isinstance(why, CorruptBlock):
+        stats.corrupt_blocks += 1
+    seq = state.journal.next_seq
+    state.index.remove(key, seq)
+    with contextlib.suppress(RuntimeError):  # closing: the entry is gone from memory anyway
+        state.journal.append(encode_del([key], state.seed), retry=True)
+    state.report_removed([key])
+    if not isinstance(why, _AuthenticationFailed):
+        logger.warning("fs tier %s: dropped block %s: %s", state.name, key.hex(), why)
+
+
+class _AuthenticationFailed(CorruptBlock):
+    """A block whose MAC tag is missing or wrong: written by someone without the key."""
+
+
+def _authentication_error(
+    state: OpenState, key: OffloadKey, data: memoryview, entry: Entry
+) -> CorruptBlock | None:
+    auth = state.auth
+    assert auth is not None
+    if entry.tag is None:
+        return _AuthenticationFailed(key, "stored without an authentication tag")
+    if not auth.verify(key, state.fingerprint, data, entry.tag):
+        return _AuthenticationFailed(key, "authentication tag mismatch")
+    return None
