@@ -238,6 +238,12 @@ class HostCopyEngine(CopyEngine):
             src = np.concatenate([t[0] for t in tables])
             dst = np.concatenate([t[1] for t in tables])
             lengths = np.concatenate([t[2] for t in tables])
+            # In order of source address: scattered reads are what stalls a copy (the
+            # writes of large tables are streamed). 8 KiB pages of random blocks, % of
+            # one large memcpy, measured on these machines: stores 58-77 % tensor by
+            # tensor, 75-91 % in source order; loads 67-70 % and 100-120 %.
+            order = np.argsort(src)
+            src, dst, lengths = src[order], dst[order], lengths[order]
         copy_regions(src, dst, lengths)
 
     def regions_of(self, entry: BlockCopies, gpu_to_cpu: bool) -> tuple[Offsets, Offsets, Offsets]:

@@ -178,15 +178,23 @@ def plan_transfer(
         )
 
     block_copies: list[BlockCopies] = []
+    # Every tensor of a group lists the same arrays: merge and check them once per job,
+    # not once per tensor (a model has tens of layers).
+    merged: dict[tuple[int, ...], tuple[BlockIds, BlockIds, BlockIds]] = {}
     for (t, nbytes), (gl, cl, sl) in parts.items():
-        entry = BlockCopies(
-            tensor_idx=t,
-            nbytes=nbytes,
-            gpu_blocks=_frozen(np.concatenate(gl)),
-            cpu_blocks=_frozen(np.concatenate(cl)),
-            cpu_subblocks=_frozen(np.concatenate(sl)),
-        )
-        _check_unique_destinations(entry, layout, lane)
+        key = tuple(map(id, (*gl, *cl, *sl)))
+        arrays = merged.get(key)
+        fresh = arrays is None
+        if arrays is None:
+            arrays = (
+                _frozen(np.concatenate(gl)),
+                _frozen(np.concatenate(cl)),
+                _frozen(np.concatenate(sl)),
+            )
+            merged[key] = arrays
+        entry = BlockCopies(t, nbytes, *arrays)
+        if fresh:
+            _check_unique_destinations(entry, layout, lane)
         block_copies.append(entry)
     _check_tensor_destinations(block_copies, layout, lane)
 
@@ -213,7 +221,7 @@ def _check_unique_destinations(entry: BlockCopies, layout: KVLayout, lane: Lane)
     else:
         dest = entry.gpu_blocks
         what = "GPU block"
-    if np.unique(dest).size != dest.size:
+    if _has_repeats(dest):
         raise ContractError(
             f"two copies of tensor {entry.tensor_idx} write the same {what}; "
             f"each destination may appear once per job"
@@ -234,8 +242,14 @@ def _check_tensor_destinations(copies: list[BlockCopies], layout: KVLayout, lane
             )
         else:
             dest = np.concatenate([e.gpu_blocks for e in entries])
-        if np.unique(dest).size != dest.size:
+        if _has_repeats(dest):
             raise ContractError(f"two groups of this job write the same blocks of tensor {t}")
+
+
+def _has_repeats(values: BlockIds) -> bool:
+    """Whether any value appears twice (a sort: 4-5x cheaper than ``np.unique`` here)."""
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def byte_runs(
