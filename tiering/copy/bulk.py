@@ -293,31 +293,18 @@ def _copy_native(
     dst: Sequence[int] | npt.ArrayLike,
     lengths: int | Sequence[int] | npt.ArrayLike,
 ) -> None:
-    s_table, d_table = _as_table(src), _as_table(dst)
-    if len(s_table) != len(d_table):
-        raise ValueError(
-            f"src has {len(s_table)} addresses, dst {len(d_table)}: they must be of one size"
-        )
-    if isinstance(lengths, (int, np.integer)):
-        assert _native is not None
-        _native.copy_regions(s_table, d_table, int(lengths), HOLD_GIL_MAX_BYTES)
-        return
-    len_table = _as_table(lengths)
-    if len(len_table) != len(s_table):
-        raise ValueError(f"{len(s_table)} regions but {len(len_table)} lengths")
+    """One call into the extension (which checks the tables' sizes before copying)."""
     assert _native is not None
-    _native.copy_regions(s_table, d_table, len_table, HOLD_GIL_MAX_BYTES)
+    one_length = isinstance(lengths, (int, np.integer))
+    length_table = int(lengths) if one_length else _as_table(lengths)  # type: ignore[arg-type]
+    _native.copy_regions(_as_table(src), _as_table(dst), length_table, HOLD_GIL_MAX_BYTES)
 
 
 def _as_table(values: Sequence[int] | npt.ArrayLike) -> Sequence[int] | npt.NDArray[Any]:
     """A list as it is (the extension converts it), an array as 1-D 8-byte integers."""
     if isinstance(values, list):
         return values
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"addresses and lengths must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"addresses and lengths must be integers, got {arr.dtype}")
+    arr = _integer_array(values)
     if arr.dtype.itemsize != 8 or not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr, dtype=np.uint64)
     return arr
@@ -327,13 +314,18 @@ def _as_list(values: Sequence[int] | npt.ArrayLike) -> list[int]:
     """Addresses as a list of Python ints (a list is taken as it is: it must hold ints)."""
     if isinstance(values, list):
         return values
+    listed: list[int] = _integer_array(values).tolist()
+    return listed
+
+
+def _integer_array(values: Sequence[int] | npt.ArrayLike) -> npt.NDArray[Any]:
+    """``values`` as a 1-D integer array; ValueError / TypeError naming what is wrong."""
     arr = np.asarray(values)
     if arr.ndim != 1:
-        raise ValueError(f"addresses must be 1-D, got shape {arr.shape}")
+        raise ValueError(f"addresses and lengths must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"addresses must be integers, got {arr.dtype}")
-    listed: list[int] = arr.tolist()
-    return listed
+        raise TypeError(f"addresses and lengths must be integers, got {arr.dtype}")
+    return arr
 
 
 def _memmove_same(src: list[int], dst: list[int], length: int) -> None:
