@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks-per-job", type=int, default=16)
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--capacity-blocks", type=int, default=2048)
+    parser.add_argument(
+        "--forward-ms", type=float, default=0.0,
+        help="GIL-free wait after each step (the GPU's forward pass; default 0: never rests)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds, args.running = 1.5, 1, 64
@@ -197,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             scheduler = ToyScheduler(args.running)
             slice_s = args.seconds / args.rounds / 3
             for round_ in range(args.rounds):
-                run_steps(scheduler, slice_s, None, phases["alone"])
+                run_steps(scheduler, slice_s, None, phases["alone"], args.forward_ms / 1e3)
                 for label in ("in-process", "child process"):
                     feeder = Feeder(args.in_flight, args.blocks_per_job, f"{label}-{round_}")
                     step: Callable[[], None]
@@ -206,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         step = child_step(parent, feeder)
                     t0 = time.perf_counter()
-                    run_steps(scheduler, slice_s, step, phases[label])
+                    run_steps(scheduler, slice_s, step, phases[label], args.forward_ms / 1e3)
                     moved[label].append(feeder.blocks_moved / (time.perf_counter() - t0))
                     _settle(label, manager, parent, feeder)
         finally:

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from types import TracebackType
 from typing import NamedTuple
 
@@ -32,7 +32,7 @@ from tiering.keys import OffloadKey, ReqContext
 from tiering.runtime.loop_thread import LoopThread
 from tiering.runtime.mailbox import Mailbox
 from tiering.runtime.service import TierService, _Job
-from tiering.runtime.stats import TierStats
+from tiering.runtime.stats import TierCounters, TierStats
 from tiering.tier import AsyncTier, TierContext
 
 logger = logging.getLogger("tiering.runtime")
@@ -123,20 +123,9 @@ class AsyncTierManager(SecondaryTierManager):
         )
         self.name = name or tier_type
         self.tier = tier
-        self.job_timeout_s = float(job_timeout_s)
-        self.shutdown_timeout_s = float(shutdown_timeout_s)
-        self._flat, self._num_rows, self.block_bytes = _geometry(primary_kv_view, block_bytes)
-        self._closed = False
-        self._shutdown_lock = threading.Lock()
-        # Scheduler-owned state.
-        self._outstanding: dict[int, _Outstanding] = {}
-        self._storing: dict[OffloadKey, int] = {}
-        self._ready: deque[JobResult] = deque()
-        self._requested: dict[OffloadKey, float] = {}
-        self._failed_load_backoff_s = float(failed_load_backoff_s)
-        self._failed_loads: dict[OffloadKey, float] = {}  # key -> when its load failed
-        self._store_jobs = 0
-        self._load_jobs = 0
+        self._init_scheduler_side(
+            primary_kv_view, block_bytes, job_timeout_s, shutdown_timeout_s, failed_load_backoff_s
+        )
         self._thread = LoopThread(f"tier-{self.name}")
         self._service = TierService(
             tier,
@@ -169,15 +158,102 @@ class AsyncTierManager(SecondaryTierManager):
                 self._thread.close(self.shutdown_timeout_s)
                 self._flat.release()
             raise
-        # The published views, bound once so lookup is a couple of set probes.
-        self._present = self._service.present
-        self._unsettled = self._service.unsettled
-        self._absent_at = self._service.absent_at
-        self._results = self._service.results
-        self._shared = self._service.shared
+        service = self._service
+        self._results = service.results
+        self._events = service.events
+        self._touch_supported = service.touch_supported
+        self._bind_published(
+            service.present,
+            service.unsettled,
+            service.absent_at,
+            shared=service.shared,
+            shared_absent_ttl_s=shared_absent_ttl_s,
+            shared_present_ttl_s=shared_present_ttl_s,
+        )
+
+    def _init_scheduler_side(
+        self,
+        primary_kv_view: memoryview,
+        block_bytes: int | None,
+        job_timeout_s: float,
+        shutdown_timeout_s: float,
+        failed_load_backoff_s: float,
+    ) -> None:
+        """The primary view's geometry and the state the scheduler thread owns."""
+        self.job_timeout_s = float(job_timeout_s)
+        self.shutdown_timeout_s = float(shutdown_timeout_s)
+        self._flat, self._num_rows, self.block_bytes = _geometry(primary_kv_view, block_bytes)
+        self._closed = False
+        self._shutdown_lock = threading.Lock()
+        self._outstanding: dict[int, _Outstanding] = {}
+        self._storing: dict[OffloadKey, int] = {}
+        self._ready: deque[JobResult] = deque()
+        self._requested: dict[OffloadKey, float] = {}
+        self._failed_load_backoff_s = float(failed_load_backoff_s)
+        self._failed_loads: dict[OffloadKey, float] = {}  # key -> when its load failed
+        self._store_jobs = 0
+        self._load_jobs = 0
+
+    def _bind_published(
+        self,
+        present: Collection[OffloadKey],
+        unsettled: Collection[OffloadKey],
+        absent_at: dict[OffloadKey, float],
+        *,
+        shared: bool,
+        shared_absent_ttl_s: float,
+        shared_present_ttl_s: float,
+    ) -> None:
+        """Bind the views ``lookup`` reads, once, so a lookup is a couple of set probes."""
+        self._present = present
+        self._unsettled = unsettled
+        self._absent_at = absent_at
+        self._shared = shared
         self._absent_ttl_s = float(shared_absent_ttl_s)
         # A repeated lookup of a key being checked posts no new request within this window.
         self._recheck_after_s = min(self.job_timeout_s, float(shared_present_ttl_s))
+
+    # -- where jobs go and results come from (the tier's own process: its loop thread) -------
+
+    def _post_job(self, job: _Job) -> None:
+        self._mailbox.post(self._service.start_job, job)
+
+    def _post_resolve(self, key: OffloadKey) -> None:
+        self._mailbox.post(self._service.request_resolve, key)
+
+    def _post_touch(self, keys: tuple[OffloadKey, ...]) -> None:
+        self._mailbox.post(self._service.touch, keys)
+
+    def _take_results(self) -> Sequence[JobResult]:
+        """Results published since the last call (never blocks)."""
+        results = self._results
+        if results.empty():
+            return _NOTHING
+        return [results.get_nowait() for _ in range(results.qsize())]
+
+    def _wait_result(self, timeout_s: float | None) -> JobResult | None:
+        """The next published result, or None after ``timeout_s`` (None: wait)."""
+        try:
+            return self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def _counters(self) -> TierCounters:
+        return self._service.counters
+
+    def _capacity_blocks(self) -> object:
+        return getattr(self.tier, "capacity_blocks", None)
+
+    def _tier_class_name(self) -> str:
+        return type(self.tier).__name__
+
+    def _close_backend(self, budget_s: float) -> None:
+        try:
+            self._thread.call(self._service.aclose, budget_s * 0.8, timeout=budget_s)
+        except BaseException:
+            logger.exception("tier %s: shutting down the tier failed", self.name)
+        finally:
+            self._thread.close(max(1.0, budget_s * 0.2))
 
     # -- the scheduler-facing contract -------------------------------------------------------
 
@@ -243,7 +319,7 @@ class AsyncTierManager(SecondaryTierManager):
         if len(self._requested) >= 65536:
             self._forget_old_requests(now)
         self._requested[key] = now
-        self._mailbox.post(self._service.request_resolve, key)
+        self._post_resolve(key)
         return None
 
     def _forget_old_requests(self, now: float) -> None:
@@ -266,7 +342,7 @@ class AsyncTierManager(SecondaryTierManager):
         for key in job.meta.keys:
             storing[key] = storing.get(key, 0) + 1
         self._store_jobs += 1
-        self._mailbox.post(self._service.start_job, job)
+        self._post_job(job)
 
     def submit_load(self, job_metadata: JobMetadata) -> None:
         """Copy the keys' blocks into the job's primary rows; any failed key fails the job.
@@ -275,7 +351,7 @@ class AsyncTierManager(SecondaryTierManager):
         """
         job = self._accept(job_metadata, is_load=True)
         self._load_jobs += 1
-        self._mailbox.post(self._service.start_job, job)
+        self._post_job(job)
 
     def _accept(self, meta: JobMetadata, *, is_load: bool) -> _Job:
         """Validate a submitted job and register it as outstanding (raises, changing nothing)."""
@@ -311,13 +387,14 @@ class AsyncTierManager(SecondaryTierManager):
         """Results of the jobs finished since the last call; never blocks."""
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
-        results = self._results
-        if not self._ready and results.empty():
+        taken = self._take_results()
+        if self._ready:
+            finished = [*self._ready, *taken]
+            self._ready.clear()
+        elif taken:
+            finished = list(taken)
+        else:
             return _NOTHING
-        finished = list(self._ready)
-        self._ready.clear()
-        for _ in range(results.qsize()):
-            finished.append(results.get_nowait())
         for result in finished:
             self._deliver(result)
         return finished
@@ -363,13 +440,13 @@ class AsyncTierManager(SecondaryTierManager):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(self._drain_timeout_message(timeout_s))
-            try:
-                self._ready.append(self._results.get(timeout=remaining))
-            except queue.Empty:
-                raise TimeoutError(self._drain_timeout_message(timeout_s)) from None
+            result = self._wait_result(remaining)
+            if result is None:
+                raise TimeoutError(self._drain_timeout_message(timeout_s))
+            self._ready.append(result)
 
     def _drain_timeout_message(self, timeout_s: float | None) -> str:
-        running = len(self._outstanding) - len(self._ready) - self._results.qsize()
+        running = len(self._outstanding) - len(self._ready)
         return f"tier {self.name}: {running} job(s) still running after {timeout_s} s"
 
     def has_pending_work(self) -> bool:
@@ -380,8 +457,8 @@ class AsyncTierManager(SecondaryTierManager):
         """Forward a use of these blocks to the tier's eviction policy (in the background)."""
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
-        if keys and self._service.touch_supported:
-            self._mailbox.post(self._service.touch, tuple(keys))
+        if keys and self._touch_supported:
+            self._post_touch(tuple(keys))
 
     def get_num_blocks(self) -> int:
         """Blocks known to be in the tier (see :attr:`TierStats.blocks_held`)."""
@@ -393,21 +470,21 @@ class AsyncTierManager(SecondaryTierManager):
         """``(keys, removed)`` pairs since the last call: stores, evictions, blocks found gone."""
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
-        events = self._service.events
+        events = self._events
         if not events:
             return ()
         return [events.popleft() for _ in range(len(events))]
 
     def stats(self) -> TierStats:
         """An immutable snapshot of this tier's counters (also after shutdown)."""
-        counters = self._service.counters
-        capacity = getattr(self.tier, "capacity_blocks", None)
+        counters = self._counters()
+        capacity = self._capacity_blocks()
         submitted = self._store_jobs + self._load_jobs
         finished = counters.jobs_succeeded + counters.jobs_failed
         return TierStats(
             name=self.name,
             tier_type=self.tier_type,
-            blocks_held=len(self._service.present),
+            blocks_held=len(self._present),
             capacity_blocks=capacity if isinstance(capacity, int) else None,
             jobs_submitted=submitted,
             store_jobs_submitted=self._store_jobs,
@@ -443,13 +520,9 @@ class AsyncTierManager(SecondaryTierManager):
             if self._closed:
                 return
             self._closed = True
-        budget = self.shutdown_timeout_s
         try:
-            self._thread.call(self._service.aclose, budget * 0.8, timeout=budget)
-        except BaseException:
-            logger.exception("tier %s: shutting down the tier failed", self.name)
+            self._close_backend(self.shutdown_timeout_s)
         finally:
-            self._thread.close(max(1.0, budget * 0.2))
             self._flat.release()
 
     @property
@@ -469,7 +542,7 @@ class AsyncTierManager(SecondaryTierManager):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._outstanding)} jobs outstanding"
-        return f"<AsyncTierManager {self.name!r} ({type(self.tier).__name__}) {state}>"
+        return f"<{type(self).__name__} {self.name!r} ({self._tier_class_name()}) {state}>"
 
 
 def check_runtime_options(
