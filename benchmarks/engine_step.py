@@ -21,7 +21,11 @@ loopback with a redis-server started here) the steps run alone and with the
 tier, in alternating rounds, and the table reports the ``schedule()`` time
 p50/p99 against the alone rounds (targets: p50 <= 1.10x, p99 <= 1.25x,
 printed as met/missed), the whole step's wall time (facade calls included),
-the tier's blocks/s and its loop thread's CPU time per block. A tier that
+the tier's blocks/s and the CPU time per block of what runs it (its event-loop
+thread; for a tier in a child process, that whole process). Each tier runs
+twice by default (``--isolation both``): behind the default facade, its loop
+thread in this process, and behind :class:`~tiering.isolation.IsolatedTierManager`,
+in a child process attached to the same shared-memory primary rows. A tier that
 cannot run here (io_uring unavailable, no redis-server) is skipped with the
 reason. Figures of a shared machine are noisy: compare within one run.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import heapq
 import logging
 import os
@@ -48,6 +53,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.isolation import IsolatedTierManager
 from tiering.jobs import JobMetadata
 from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
@@ -221,28 +228,34 @@ class Rig:
     manager: AsyncTierManager
     description: str
     primary: np.ndarray[Any, np.dtype[np.uint8]]
+    tier_cpu: Callable[[], float]  # CPU seconds of what runs the tier (loop thread or process)
 
 
 @contextlib.contextmanager
-def open_tier(kind: str, args: argparse.Namespace, scratch: Path) -> Iterator[Rig]:
-    """The tier ``kind`` behind a facade over fresh page-aligned primary rows (a context)."""
+def open_tier(
+    kind: str, args: argparse.Namespace, scratch: Path, placement: str = "thread"
+) -> Iterator[Rig]:
+    """The tier ``kind`` behind a facade over fresh primary rows (a context).
+
+    ``placement``: ``thread`` (the default facade, a loop thread in this
+    process) or ``process`` (:class:`~tiering.isolation.IsolatedTierManager`).
+    """
     block = args.block_kib * KIB
     rows = args.in_flight * args.blocks_per_job
-    # Anonymous mmap: page-aligned rows, as the real primary tier's buffer (O_DIRECT-able).
-    import mmap
-
-    mapping = mmap.mmap(-1, rows * block)
-    primary = np.frombuffer(mapping, dtype=np.uint8).reshape(rows, block)
+    # Named shared memory, page-aligned: the real primary tier's buffer (O_DIRECT-able,
+    # attachable by an isolated tier's process).
+    host = HostBuffer.create(rows, block, shared_name=make_shared_name("engine-step"))
+    primary = host.as_numpy()
     primary[:] = np.random.default_rng(1).integers(0, 256, primary.shape, dtype=np.uint8)
     capacity_blocks = max(4 * rows, (args.tier_mib * MIB) // block)
-    tier: Any
+    factory: Callable[[], Any]
     server: Any = None
     description = ""
     try:
         if kind == "memory":
             from tiers.memory import MemoryTier
 
-            tier = MemoryTier(capacity_blocks=capacity_blocks)
+            factory = functools.partial(MemoryTier, capacity_blocks=capacity_blocks)
             description = f"memory, {capacity_blocks} blocks"
         elif kind.startswith("fs-"):
             backend = kind.removeprefix("fs-")
@@ -256,8 +269,11 @@ def open_tier(kind: str, args: argparse.Namespace, scratch: Path) -> Iterator[Ri
 
             root = scratch / kind
             root.mkdir(parents=True, exist_ok=True)
-            tier = FileSystemTier(
-                root_dir=root, capacity_bytes=capacity_blocks * block, io_backend=backend
+            factory = functools.partial(
+                FileSystemTier,
+                root_dir=root,
+                capacity_bytes=capacity_blocks * block,
+                io_backend=backend,
             )
             description = f"fs, io_backend={backend}"
         elif kind == "redis":
@@ -267,31 +283,35 @@ def open_tier(kind: str, args: argparse.Namespace, scratch: Path) -> Iterator[Ri
             from tiers.redis import RedisTier
 
             server = RedisServer(scratch / "redis").start()
-            tier = RedisTier(url=server.url, namespace="engine-step")
+            factory = functools.partial(RedisTier, url=server.url, namespace="engine-step")
             description = f"redis on loopback ({server.url})"
         else:
             raise Skip(f"unknown tier {kind!r}; choose from {', '.join(TIERS)}")
-        manager = AsyncTierManager(
-            tier,
-            memoryview(mapping),
-            kind,
-            block_bytes=block,
-            job_timeout_s=120.0,
-            layout_fingerprint=f"engine-step-{block}",
-        )
-        try:
+        options: dict[str, Any] = {
+            "job_timeout_s": 120.0,
+            "layout_fingerprint": f"engine-step-{block}",
+        }
+        manager: AsyncTierManager
+        if placement == "process":
+            isolated = IsolatedTierManager(factory, host, kind, **options)
+            manager, tier_cpu = isolated, process_cpu(isolated.pid)
+            description += "; in a child process"
+        else:
+            manager = AsyncTierManager(factory(), host.view, kind, **options)
+            tier_cpu = thread_cpu(manager._thread.thread)  # the tier's event-loop thread
             if kind.startswith("fs-"):
                 got = manager.tier.stats.io_backend  # type: ignore[attr-defined]
                 description += f" (running: {got})"
-            yield Rig(manager, description, primary)
+        try:
+            yield Rig(manager, description, primary, tier_cpu)
         finally:
             manager.shutdown()
     finally:
         if server is not None:
             server.stop()
         del primary
-        with contextlib.suppress(BufferError):
-            mapping.close()
+        host.close()
+        host.unlink()
 
 
 class JobMix:
@@ -372,6 +392,18 @@ def pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
 
 
+def process_cpu(pid: int | None) -> Callable[[], float]:
+    """CPU seconds (user + system, all threads) of process ``pid`` so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def read() -> float:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    return read
+
+
 def thread_cpu(thread: threading.Thread) -> Callable[[], float]:
     """A reader of ``thread``'s CPU seconds (0.0 where the platform cannot tell)."""
     ident = thread.ident
@@ -413,6 +445,7 @@ def run_steps(
 class TierRow:
     tier: str
     description: str
+    placement: str = "thread"
     skipped: str = ""
     alone: Phase = field(default_factory=Phase)
     busy: Phase = field(default_factory=Phase)
@@ -421,15 +454,14 @@ class TierRow:
     failures: int = 0
 
 
-def bench_tier(kind: str, args: argparse.Namespace, scratch: Path) -> TierRow:
-    row = TierRow(kind, "")
+def bench_tier(kind: str, args: argparse.Namespace, scratch: Path, placement: str) -> TierRow:
+    row = TierRow(kind if placement == "thread" else f"{kind} (child process)", "", placement)
     try:
-        with open_tier(kind, args, scratch) as rig:
+        with open_tier(kind, args, scratch, placement) as rig:
             row.description = rig.description
             scheduler = ToyScheduler(args.running)
             mix = JobMix(rig.manager, args.in_flight, args.blocks_per_job, args.lookups)
-            loop_thread = rig.manager._thread.thread  # the tier's event-loop thread
-            loop_cpu = thread_cpu(loop_thread)
+            loop_cpu = rig.tier_cpu
             run_steps(scheduler, 0.2, mix.step, Phase())  # warm up: first stores, allocations
             mix.finish()
             run_steps(scheduler, 0.2, None, Phase())
@@ -463,7 +495,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         "p99 ratio",
         "step wall p50/p99 us",
         "blocks/s",
-        "loop CPU us/block",
+        "tier CPU us/block",
         f"p50 <= {P50_TARGET:.2f}x",
         f"p99 <= {P99_TARGET:.2f}x",
     )
@@ -535,6 +567,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tier-mib", type=int, default=512, help="tier capacity (MiB)")
     parser.add_argument("--scratch", type=Path, default=None, help="directory for fs/redis files")
     parser.add_argument(
+        "--isolation",
+        choices=("thread", "process", "both"),
+        default="both",
+        help="where each tier runs: a loop thread in this process (the default facade), a "
+        "child process (IsolatedTierManager), or both, one after the other (default)",
+    )
+    parser.add_argument(
         "--forward-ms",
         type=float,
         default=0.0,
@@ -562,7 +601,12 @@ def main(argv: list[str] | None = None) -> None:
         "compare within one run.\n"
     )
     with tempfile.TemporaryDirectory(prefix="engine-step-", dir=args.scratch) as tmp:
-        rows = [bench_tier(kind, args, Path(tmp)) for kind in args.tiers]
+        placements = ("thread", "process") if args.isolation == "both" else (args.isolation,)
+        rows = [
+            bench_tier(kind, args, Path(tmp), placement)
+            for kind in args.tiers
+            for placement in placements
+        ]
     report(rows, args)
 
 

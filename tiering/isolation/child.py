@@ -38,7 +38,8 @@ from tiering.isolation.mirror import (
 )
 from tiering.isolation.ring import WAKE_WORD, ByteRing
 from tiering.isolation.wakeup import SAFETY_POLL_S, WakeReceiver
-from tiering.runtime.service import TierService
+from tiering.jobs import JobMetadata
+from tiering.runtime.service import TierService, _Job
 from tiering.tier import AsyncTier, TierContext
 
 logger = logging.getLogger("tiering.isolation")
@@ -190,7 +191,9 @@ class _Child:
         for message in self.jobs.receive():
             for kind, payload in pickle.loads(message):
                 if kind == "job":
-                    service.start_job(payload)
+                    job_id, keys, rows, is_load, deadline = payload
+                    meta = JobMetadata(job_id, keys, rows, is_load)
+                    service.start_job(_Job(meta, rows, is_load, deadline))
                 elif kind == "resolve":
                     service.request_resolve(payload)
                 else:

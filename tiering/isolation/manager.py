@@ -238,7 +238,9 @@ class IsolatedTierManager(AsyncTierManager):
         if self._dead is not None:
             self._arrived.append(self._death_result(job.meta.job_id))
             return
-        self._outbox.append(("job", job))
+        # Only what the service reads: a tuple pickles in ~1 us, the job object in ~13.
+        meta = job.meta
+        self._outbox.append(("job", (meta.job_id, meta.keys, job.rows, job.is_load, job.deadline)))
         self._flush_outbox()
 
     def _post_resolve(self, key: OffloadKey) -> None:
