@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-flight", type=int, default=16)
     parser.add_argument("--capacity-blocks", type=int, default=2048)
     parser.add_argument(
-        "--forward-ms", type=float, default=0.0,
+        "--forward-ms",
+        type=float,
+        default=0.0,
         help="GIL-free wait after each step (the GPU's forward pass; default 0: never rests)",
     )
     args = parser.parse_args(argv)

@@ -236,3 +236,72 @@ def test_entries_written_for_vllm_run_our_tiers_without_vllm(
             view,
             position=3,
         )
+
+
+def test_isolation_process_runs_the_tier_in_a_child_process(tmp_path: Any) -> None:
+    from tiering.host_buffer import HostBuffer, make_shared_name
+    from tiering.isolation import IsolatedTierManager
+
+    with HostBuffer.create(8, 4096, shared_name=make_shared_name("registry")) as host:
+        config = {"type": "memory", "capacity_blocks": 4, "isolation": "process"}
+        manager = create_secondary_tier(config, host.view, position=2, primary_buffer=host)
+        try:
+            assert isinstance(manager, IsolatedTierManager) and manager.name == "memory-2"
+            buf = host.as_numpy()
+            data = fill(buf, 0)
+            manager.submit_store(store(1, [key(1)], [0]))
+            assert one_result(manager).success
+            manager.submit_load(load(2, [key(1)], [1]))
+            assert one_result(manager).success and bytes(buf[1]) == data
+            assert manager.lookup(key(1), NO_CONTEXT) is True
+            assert manager.stats().capacity_blocks == 4
+        finally:
+            manager.shutdown()
+            host.unlink()
+
+
+class LocalOnly(MemoryTier):
+    """Takes an option that cannot be pickled (a lock), so it cannot go to a child process."""
+
+    def __init__(self, guard: object = None) -> None:
+        super().__init__()
+        self.guard = guard
+
+
+def test_isolation_is_checked_before_anything_starts(view: memoryview) -> None:
+    import threading
+
+    from tiering.host_buffer import HostBuffer, make_shared_name
+
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*isolation must be one of"):
+        create_secondary_tier({"type": "memory", "isolation": "fork"}, view, position=0)
+    with pytest.raises(ConfigError, match="needs the primary buffer in named shared memory"):
+        create_secondary_tier({"type": "memory", "isolation": "process"}, view, position=0)
+    with HostBuffer.create(8, 4096, shared_name=make_shared_name("registry")) as host:
+        try:
+            config = {
+                "type": "tests.test_registry:LocalOnly",
+                "guard": threading.Lock(),
+                "isolation": "process",
+            }
+            with pytest.raises(ConfigError, match="LocalOnly and its options do not pickle"):
+                create_secondary_tier(config, host.view, position=0, primary_buffer=host)
+        finally:
+            host.unlink()
+
+
+def test_a_spec_with_an_isolated_tier_shares_its_primary_buffer() -> None:
+    from tiering.isolation import IsolatedTierManager
+    from tiering.spec import build_manager
+
+    config = {
+        "cpu_bytes_to_use": 8 * 4096,
+        "secondary_tiers": [{"type": "memory", "capacity_blocks": 4, "isolation": "process"}],
+    }
+    manager = build_manager(config, block_bytes=4096)
+    try:
+        tier = manager.secondary_tiers[0]
+        assert isinstance(tier, IsolatedTierManager)
+        assert manager.primary.buffer.name is not None
+    finally:
+        manager.shutdown()

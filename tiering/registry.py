@@ -28,6 +28,10 @@ The other keys of the dict are split in two. The *framework's* keys
                          the tier declares ``verifies_reads``)
 ``failed_load_backoff_s`` after a load of a key fails, lookups answer False for it this
                          long (default 0: off; the vLLM adapter sets 10)
+``isolation``            ``"thread"`` (default: the tier's event loop on a thread of this
+                         process) or ``"process"`` (in a child process:
+                         :class:`~tiering.isolation.IsolatedTierManager`; the tier's
+                         class and options must pickle)
 ``module_path``          see 5. above
 
 Every other key is passed to the tier class's constructor as a keyword.
@@ -40,14 +44,17 @@ its type and the offending key, and listing what is accepted.
 from __future__ import annotations
 
 import errno
+import functools
 import importlib
 import importlib.metadata
 import inspect
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
 from tiering.auth import AUTH_OPTION_NAMES, authenticator_from_options
 from tiering.errors import ConfigError
+from tiering.host_buffer import HostBuffer
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.facade import check_runtime_options
 from tiering.tier import AsyncTier
@@ -79,8 +86,11 @@ FRAMEWORK_KEYS = (
     "max_events",
     "verify",
     "failed_load_backoff_s",
+    "isolation",
 )
-_MANAGER_OPTIONS = FRAMEWORK_KEYS[3:]
+_MANAGER_OPTIONS = FRAMEWORK_KEYS[3:-1]
+#: Where a tier's event loop may run (the ``isolation`` key).
+ISOLATION_MODES = ("thread", "process")
 
 _registered: dict[str, str | type[AsyncTier]] = {}
 
@@ -273,6 +283,12 @@ def check_tier_config(
         check_runtime_options(**{k: config[k] for k in _MANAGER_OPTIONS if k in config})
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+    isolation = config.get("isolation", "thread")
+    if isolation not in ISOLATION_MODES:
+        raise ConfigError(
+            f"{where}: isolation must be one of {', '.join(map(repr, ISOLATION_MODES))}, "
+            f"got {isolation!r}"
+        )
     if any(name in options for name in AUTH_OPTION_NAMES):
         # Read the authentication key now: a missing or unsafe key fails the spec's
         # construction, not the first build (the tier reads it again when built).
@@ -289,10 +305,14 @@ def create_secondary_tier(
     *,
     position: int,
     layout_fingerprint: str = "",
+    primary_buffer: HostBuffer | None = None,
 ) -> AsyncTierManager:
     """Build the tier ``config`` describes and run it behind an :class:`AsyncTierManager`.
 
     ``position`` is the entry's index in ``secondary_tiers`` (for messages).
+    With ``isolation: process`` the tier is built and run in a child process
+    (:class:`~tiering.isolation.IsolatedTierManager`) over ``primary_buffer``,
+    the named shared buffer behind ``primary_kv_view``.
     Configuration mistakes raise :class:`~tiering.errors.ConfigError` naming
     the position, the type and the offending key, before anything is
     started; an error opening the tier propagates as the tier raised it, with
@@ -300,6 +320,10 @@ def create_secondary_tier(
     """
     tier_class, options, config, where = check_tier_config(config, position=position)
     type_name = config["type"]
+    if config.get("isolation", "thread") == "process":
+        return _create_isolated(
+            config, tier_class, options, where, position, layout_fingerprint, primary_buffer
+        )
     try:
         tier = tier_class(**options)
     except ConfigError as exc:
@@ -314,6 +338,47 @@ def create_secondary_tier(
             primary_kv_view,
             str(type_name),
             name=name,
+            layout_fingerprint=layout_fingerprint,
+            **manager_options,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    except Exception as exc:
+        exc.add_note(_TIER_START_NOTE + _start_failure(where, exc, config))
+        raise
+
+
+def _create_isolated(
+    config: Mapping[str, Any],
+    tier_class: type[AsyncTier],
+    options: dict[str, Any],
+    where: str,
+    position: int,
+    layout_fingerprint: str,
+    primary_buffer: HostBuffer | None,
+) -> AsyncTierManager:
+    from tiering.isolation import IsolatedTierManager  # only where asked for
+
+    if primary_buffer is None or primary_buffer.name is None:
+        raise ConfigError(
+            f"{where}: isolation 'process' needs the primary buffer in named shared memory "
+            "(build the spec with a shared_name, or pass primary_buffer)"
+        )
+    factory = functools.partial(tier_class, **options)
+    try:
+        pickle.dumps(factory)
+    except Exception as exc:
+        raise ConfigError(
+            f"{where}: isolation 'process' builds the tier in a child process, but "
+            f"{tier_class.__name__} and its options do not pickle: {exc}"
+        ) from exc
+    manager_options = {k: config[k] for k in _MANAGER_OPTIONS if k in config}
+    try:
+        return IsolatedTierManager(
+            factory,
+            primary_buffer,
+            str(config["type"]),
+            name=config.get("name") or f"{config['type']}-{position}",
             layout_fingerprint=layout_fingerprint,
             **manager_options,
         )
@@ -365,6 +430,7 @@ __all__ = [
     "BUILTIN_TIERS",
     "ENTRY_POINT_GROUP",
     "FRAMEWORK_KEYS",
+    "ISOLATION_MODES",
     "check_tier_config",
     "from_vllm_entry",
     "create_secondary_tier",

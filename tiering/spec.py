@@ -163,12 +163,20 @@ class TieringOffloadingSpec:
 
             served = serve_metrics(config.metrics_port, config.metrics_host)
             logger.info("serving kv_tiering_* metrics at %s", served.url)
+        shared_name = self._shared_name
+        if shared_name is None and any(
+            tier.get("isolation") == "process" for tier in config.secondary_tiers
+        ):
+            # A tier in a child process attaches to the primary buffer by name.
+            from tiering.host_buffer import make_shared_name
+
+            shared_name = make_shared_name()
         primary = CPUPrimaryTier(
             self.num_blocks,
             self.block_bytes,
             config.policy,
             enable_events=self.enable_events,
-            shared_name=self._shared_name,
+            shared_name=shared_name,
             require_alignment=self._require_alignment,
         )
         tiers: list[SecondaryTierManager] = []
@@ -179,6 +187,7 @@ class TieringOffloadingSpec:
                     primary.kv_view,
                     position=position,
                     layout_fingerprint=self.layout_fingerprint,
+                    primary_buffer=primary.buffer,
                 )
                 tiers.append(tier)
                 logger.info("created secondary tier #%d (%s)", position, tier.tier_type)
