@@ -388,6 +388,8 @@ def test_shutdown_is_idempotent_and_later_calls_raise(host: HostBuffer) -> None:
     m.shutdown()
     assert process_is_gone(pid)
     for call in (
+        lambda: m.lookup(key(1), NO_CONTEXT),
+        lambda: m.lookup_state(key(1)),
         lambda: m.submit_store(store(1, [key(1)], [0])),
         lambda: m.submit_load(load(1, [key(1)], [0])),
         lambda: m.get_finished(),

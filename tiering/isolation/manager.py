@@ -267,6 +267,8 @@ class IsolatedTierManager(AsyncTierManager):
                 self._next_liveness_check = 0.0
 
     def _results_ring_pending(self) -> bool:
+        if self._closed:  # the ring is unmapped: the facade's own check raises TierClosedError
+            return False
         return self._results_ring.pending() or bool(self._unsent)
 
     def _pump(self) -> None:
