@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pickle
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -148,6 +149,11 @@ def process_is_gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
+
+
+def our_rings() -> set[str]:
+    """This process's ring names in shared memory (``make_shared_name("kvring")``)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvring-{os.getpid()}-")}
 
 
 # -- the contract, as in one process ----------------------------------------------------------
@@ -330,6 +336,13 @@ def test_a_tier_that_fails_to_open_raises_its_own_exception_and_leaves_no_proces
     pid = int(pid_file.read_text())
     assert pid != os.getpid()
     assert process_is_gone(pid)
+
+
+def test_a_factory_that_does_not_pickle_raises_the_pickling_error(host: HostBuffer) -> None:
+    rings_before = our_rings()
+    with pytest.raises((pickle.PicklingError, AttributeError), match="pickle"):
+        isolated(lambda: MemoryTier(), host)
+    assert our_rings() == rings_before  # the rings it made are unlinked
 
 
 def test_a_factory_that_builds_no_tier_raises_type_error(host: HostBuffer) -> None:

@@ -154,8 +154,10 @@ class IsolatedTierManager(AsyncTierManager):
             name=f"tier-{self.name}",
             daemon=True,
         )
+        started = False
         try:
             self._process.start()
+            started = True
             self._pid = self._process.pid
             child_control.close()
             wake_reader.close()
@@ -164,7 +166,8 @@ class IsolatedTierManager(AsyncTierManager):
             answer = self._await_start(float(open_timeout_s) + SPAWN_ALLOWANCE_S)
         except BaseException:
             self._closed = True
-            self._stop_process(self.shutdown_timeout_s)
+            if started:  # start() fails before spawning when the spec does not pickle
+                self._stop_process(self.shutdown_timeout_s)
             self._release()
             raise
         finally:
