@@ -338,6 +338,19 @@ def test_a_tier_that_fails_to_open_raises_its_own_exception_and_leaves_no_proces
     assert process_is_gone(pid)
 
 
+def test_a_failed_start_lets_the_primary_buffer_be_unmapped(
+    host: HostBuffer, tmp_path: Path
+) -> None:
+    name = host.name
+    assert name is not None
+    with pytest.raises(PermissionError) as failure:
+        isolated(functools.partial(FailingOpenTier, str(tmp_path / "pid")), host)
+    host.close()  # while the exception (and so the half-built manager) is still held
+    assert failure.value is not None
+    with open("/proc/self/maps") as maps:
+        assert name not in maps.read()
+
+
 def test_a_factory_that_does_not_pickle_raises_the_pickling_error(host: HostBuffer) -> None:
     rings_before = our_rings()
     with pytest.raises((pickle.PicklingError, AttributeError), match="pickle"):

@@ -169,6 +169,7 @@ class IsolatedTierManager(AsyncTierManager):
             if started:  # start() fails before spawning when the spec does not pickle
                 self._stop_process(self.shutdown_timeout_s)
             self._release()
+            self._flat.release()  # as shutdown() would: the caller may unmap its buffer now
             raise
         finally:
             self._jobs_ring.unlink()  # both sides are attached (or the child is gone)
