@@ -397,6 +397,8 @@ def test_a_killed_tier_process_fails_its_jobs_and_forgets_its_blocks(
         m.submit_load(load(6, [key(0)], [9]))  # fails at once: nothing can serve it
         later = one_result(m, WAIT_S)
         assert later.job_id == 6 and not later.success
+        stats = m.stats()  # the failures made here count as the child's would
+        assert (stats.jobs_succeeded, stats.jobs_failed, stats.jobs_in_flight) == (1, 5, 0)
     finally:
         m.shutdown()
     assert m.closed and process_is_gone(pid)

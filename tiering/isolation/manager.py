@@ -116,6 +116,7 @@ class IsolatedTierManager(AsyncTierManager):
         )
         self._max_events = max_events
         self._events_dropped_here = 0
+        self._jobs_failed_here = 0  # failed by this process: the tier's process had died
         self._mirror = Mirror()
         self._arrived: deque[JobResult] = deque()
         self._events: deque[tuple[list[OffloadKey], bool]] = deque()
@@ -324,6 +325,7 @@ class IsolatedTierManager(AsyncTierManager):
 
     def _death_result(self, job_id: int) -> JobResult:
         assert self._dead is not None
+        self._jobs_failed_here += 1
         return JobResult(job_id, False, frozenset(), error=self._dead)
 
     def _take_results(self) -> Sequence[JobResult]:
@@ -351,9 +353,10 @@ class IsolatedTierManager(AsyncTierManager):
         if not self._closed:
             self._pump()
         counters = self._latest_counters
-        if self._events_dropped_here:
+        if self._events_dropped_here or self._jobs_failed_here:
             counters = TierCounters(**{f: getattr(counters, f) for f in counters.__slots__})
             counters.events_dropped += self._events_dropped_here
+            counters.jobs_failed += self._jobs_failed_here
         return counters
 
     def _capacity_blocks(self) -> object:
