@@ -116,6 +116,7 @@ class IsolatedTierManager(AsyncTierManager):
         )
         self._max_events = max_events
         self._events_dropped_here = 0
+        self._jobs_failed_here = 0  # failed by this process: the tier's process had died
         self._mirror = Mirror()
         self._arrived: deque[JobResult] = deque()
         self._events: deque[tuple[list[OffloadKey], bool]] = deque()
@@ -154,8 +155,10 @@ class IsolatedTierManager(AsyncTierManager):
             name=f"tier-{self.name}",
             daemon=True,
         )
+        started = False
         try:
             self._process.start()
+            started = True
             self._pid = self._process.pid
             child_control.close()
             wake_reader.close()
@@ -164,8 +167,10 @@ class IsolatedTierManager(AsyncTierManager):
             answer = self._await_start(float(open_timeout_s) + SPAWN_ALLOWANCE_S)
         except BaseException:
             self._closed = True
-            self._stop_process(self.shutdown_timeout_s)
+            if started:  # start() fails before spawning when the spec does not pickle
+                self._stop_process(self.shutdown_timeout_s)
             self._release()
+            self._flat.release()  # as shutdown() would: the caller may unmap its buffer now
             raise
         finally:
             self._jobs_ring.unlink()  # both sides are attached (or the child is gone)
@@ -269,6 +274,8 @@ class IsolatedTierManager(AsyncTierManager):
                 self._next_liveness_check = 0.0
 
     def _results_ring_pending(self) -> bool:
+        if self._closed:  # the ring is unmapped: the facade's own check raises TierClosedError
+            return False
         return self._results_ring.pending() or bool(self._unsent)
 
     def _pump(self) -> None:
@@ -320,6 +327,7 @@ class IsolatedTierManager(AsyncTierManager):
 
     def _death_result(self, job_id: int) -> JobResult:
         assert self._dead is not None
+        self._jobs_failed_here += 1
         return JobResult(job_id, False, frozenset(), error=self._dead)
 
     def _take_results(self) -> Sequence[JobResult]:
@@ -347,9 +355,10 @@ class IsolatedTierManager(AsyncTierManager):
         if not self._closed:
             self._pump()
         counters = self._latest_counters
-        if self._events_dropped_here:
+        if self._events_dropped_here or self._jobs_failed_here:
             counters = TierCounters(**{f: getattr(counters, f) for f in counters.__slots__})
             counters.events_dropped += self._events_dropped_here
+            counters.jobs_failed += self._jobs_failed_here
         return counters
 
     def _capacity_blocks(self) -> object:
