@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/engine_step.py            # every tier, ~1 minute
     .venv/bin/python benchmarks/engine_step.py --quick    # smaller counts
     .venv/bin/python benchmarks/engine_step.py --tiers memory fs-threads
+    .venv/bin/python benchmarks/engine_step.py --forward-ms 2 --pin both  # GPU waits; pinning
 
 The main thread plays an inference engine's scheduler thread. Each step it
 runs a fixed pure-Python ``schedule()`` shaped like vLLM's v1 scheduler at a
@@ -27,7 +28,9 @@ twice by default (``--isolation both``): behind the default facade, its loop
 thread in this process, and behind :class:`~tiering.isolation.IsolatedTierManager`,
 in a child process attached to the same shared-memory primary rows. A tier that
 cannot run here (io_uring unavailable, no redis-server) is skipped with the
-reason. Figures of a shared machine are noisy: compare within one run.
+reason. ``--pin on|both`` also runs rows with the scheduler thread on one CPU
+and the tier on the others (the runtime's ``cpus`` option; ``docs/runtime.md``,
+"Pinning"). Figures of a shared machine are noisy: compare within one run.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from tiering.isolation import IsolatedTierManager
 from tiering.jobs import JobMetadata
 from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
+from tiering.runtime.affinity import allowed_cpus, format_cpu_list
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -233,12 +237,17 @@ class Rig:
 
 @contextlib.contextmanager
 def open_tier(
-    kind: str, args: argparse.Namespace, scratch: Path, placement: str = "thread"
+    kind: str,
+    args: argparse.Namespace,
+    scratch: Path,
+    placement: str = "thread",
+    tier_cpus: frozenset[int] | None = None,
 ) -> Iterator[Rig]:
     """The tier ``kind`` behind a facade over fresh primary rows (a context).
 
     ``placement``: ``thread`` (the default facade, a loop thread in this
-    process) or ``process`` (:class:`~tiering.isolation.IsolatedTierManager`).
+    process) or ``process`` (:class:`~tiering.isolation.IsolatedTierManager`);
+    ``tier_cpus``: the runtime's ``cpus`` option (redis-server is put there too).
     """
     block = args.block_kib * KIB
     rows = args.in_flight * args.blocks_per_job
@@ -290,7 +299,10 @@ def open_tier(
         options: dict[str, Any] = {
             "job_timeout_s": 120.0,
             "layout_fingerprint": f"engine-step-{block}",
+            "cpus": tier_cpus,
         }
+        if server is not None and tier_cpus is not None:
+            pin_process(server.process.pid, tier_cpus)  # it serves the tier: its CPUs
         manager: AsyncTierManager
         if placement == "process":
             isolated = IsolatedTierManager(factory, host, kind, **options)
@@ -302,6 +314,8 @@ def open_tier(
             if kind.startswith("fs-"):
                 got = manager.tier.stats.io_backend  # type: ignore[attr-defined]
                 description += f" (running: {got})"
+        if tier_cpus is not None:
+            description += f"; tier on CPUs {format_cpu_list(tier_cpus)}, scheduler apart"
         try:
             yield Rig(manager, description, primary, tier_cpu)
         finally:
@@ -387,6 +401,13 @@ class JobMix:
 # -- measuring -----------------------------------------------------------------------------------
 
 
+def pin_process(pid: int, cpus: frozenset[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
 def pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
@@ -454,10 +475,17 @@ class TierRow:
     failures: int = 0
 
 
-def bench_tier(kind: str, args: argparse.Namespace, scratch: Path, placement: str) -> TierRow:
-    row = TierRow(kind if placement == "thread" else f"{kind} (child process)", "", placement)
+def bench_tier(
+    kind: str, args: argparse.Namespace, scratch: Path, placement: str, pinned: bool = False
+) -> TierRow:
+    where = [w for w, on in (("child process", placement == "process"), ("pinned", pinned)) if on]
+    row = TierRow(f"{kind} ({', '.join(where)})" if where else kind, "", placement)
+    cpus = args.cpus
+    tier_cpus = frozenset(cpus[1:]) if pinned else None
+    # This (the scheduler) thread only: on its CPU for a pinned row, back on all for the next.
+    os.sched_setaffinity(0, {cpus[0]} if pinned else cpus)
     try:
-        with open_tier(kind, args, scratch, placement) as rig:
+        with open_tier(kind, args, scratch, placement, tier_cpus) as rig:
             row.description = rig.description
             scheduler = ToyScheduler(args.running)
             mix = JobMix(rig.manager, args.in_flight, args.blocks_per_job, args.lookups)
@@ -581,12 +609,24 @@ def main(argv: list[str] | None = None) -> None:
         "scheduler thread never rests, the worst case)",
     )
     parser.add_argument(
+        "--pin",
+        choices=("off", "on", "both"),
+        default="off",
+        help="on: the scheduler thread on the first CPU this process may use, every tier "
+        "(its loop thread and the threads it starts, or its process; redis-server too) on "
+        "the others, through the runtime's cpus option; both: every row unpinned, then "
+        "pinned (default off)",
+    )
+    parser.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
         help="sys.setswitchinterval for the run (default: leave CPython's 5 ms)",
     )
     args = parser.parse_args(argv)
+    cpus = args.cpus = sorted(allowed_cpus())  # before any row pins this thread
+    if args.pin != "off" and len(cpus) < 2:
+        parser.error(f"--pin needs at least 2 CPUs; this process may use {cpus}")
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if args.quick:
@@ -597,15 +637,23 @@ def main(argv: list[str] | None = None) -> None:
         f"requests; tier blocks {args.block_kib} KiB x {args.blocks_per_job} per job, "
         f"{args.in_flight} jobs in flight, {args.lookups} lookups/step, "
         f"{args.forward_ms:g} ms forward wait per step; "
-        f"switch interval {sys.getswitchinterval() * 1e3:g} ms. Shared machines are noisy: "
+        f"switch interval {sys.getswitchinterval() * 1e3:g} ms; "
+        + (
+            f"pinned rows: scheduler on CPU {cpus[0]}, tiers on {format_cpu_list(cpus[1:])}. "
+            if args.pin != "off"
+            else ""
+        )
+        + "Shared machines are noisy: "
         "compare within one run.\n"
     )
     with tempfile.TemporaryDirectory(prefix="engine-step-", dir=args.scratch) as tmp:
         placements = ("thread", "process") if args.isolation == "both" else (args.isolation,)
+        pinnings = {"off": (False,), "on": (True,), "both": (False, True)}[args.pin]
         rows = [
-            bench_tier(kind, args, Path(tmp), placement)
+            bench_tier(kind, args, Path(tmp), placement, pinned)
             for kind in args.tiers
             for placement in placements
+            for pinned in pinnings
         ]
     report(rows, args)
 

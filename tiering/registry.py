@@ -28,6 +28,9 @@ The other keys of the dict are split in two. The *framework's* keys
                          the tier declares ``verifies_reads``)
 ``failed_load_backoff_s`` after a load of a key fails, lookups answer False for it this
                          long (default 0: off; the vLLM adapter sets 10)
+``cpus``                 CPUs for what runs the tier: its loop thread and the threads
+                         it starts, or its whole child process (a list of ids or a
+                         string like ``"2-5,8"``; default: not pinned)
 ``isolation``            ``"thread"`` (default: the tier's event loop on a thread of this
                          process) or ``"process"`` (in a child process:
                          :class:`~tiering.isolation.IsolatedTierManager`; the tier's
@@ -86,6 +89,7 @@ FRAMEWORK_KEYS = (
     "max_events",
     "verify",
     "failed_load_backoff_s",
+    "cpus",
     "isolation",
 )
 _MANAGER_OPTIONS = FRAMEWORK_KEYS[3:-1]

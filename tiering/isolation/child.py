@@ -39,6 +39,7 @@ from tiering.isolation.mirror import (
 from tiering.isolation.ring import WAKE_WORD, ByteRing
 from tiering.isolation.wakeup import SAFETY_POLL_S, WakeReceiver
 from tiering.jobs import JobMetadata
+from tiering.runtime.affinity import pin_current_process
 from tiering.runtime.service import TierService, _Job
 from tiering.tier import AsyncTier, TierContext
 
@@ -72,12 +73,14 @@ class ChildSpec:
     shared_max_known_keys: int
     max_events: int
     verify: bool | None
+    cpus: frozenset[int] | None = None
 
 
 def serve(spec: ChildSpec, control: Connection, wake: Connection) -> None:
     """The child process's entry point (returns when the tier is closed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler's process decides when to stop
     try:
+        pin_current_process(spec.cpus)  # before the tier starts threads: they inherit it
         asyncio.run(_Child(spec, control, wake).run())
     except BaseException as exc:  # reported to the parent, which raises it
         logger.debug("tier process %s failed", spec.name, exc_info=True)

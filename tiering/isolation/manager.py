@@ -38,6 +38,7 @@ from tiering.isolation.ring import WAKE_WORD, ByteRing
 from tiering.isolation.wakeup import WakeSender
 from tiering.jobs import JobResult, SecondaryTierManager
 from tiering.keys import OffloadKey, ReqContext
+from tiering.runtime.affinity import check_cpus
 from tiering.runtime.facade import AsyncTierManager, Presence, check_runtime_options
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters
@@ -60,7 +61,8 @@ class IsolatedTierManager(AsyncTierManager):
     ``primary`` is the primary tier's buffer, a named shared
     :class:`~tiering.host_buffer.HostBuffer` (``CPUPrimaryTier(...,
     shared_name=...)``'s ``buffer``). The keyword options are
-    :class:`~tiering.runtime.AsyncTierManager`'s, with the same meaning;
+    :class:`~tiering.runtime.AsyncTierManager`'s, with the same meaning
+    (``cpus`` pins every thread of the child process, before the tier opens);
     ``ring_bytes`` sizes each ring. Construction starts the process and
     returns once the tier is open there; a tier that fails to open raises
     its own exception here (its type kept when it pickles), and
@@ -86,6 +88,7 @@ class IsolatedTierManager(AsyncTierManager):
         max_events: int = 100_000,
         verify: bool | None = None,
         failed_load_backoff_s: float = 0.0,
+        cpus: Collection[int] | str | None = None,
         ring_bytes: int = RING_BYTES,
     ) -> None:
         if not callable(tier_factory):
@@ -110,6 +113,7 @@ class IsolatedTierManager(AsyncTierManager):
             verify=verify,
             failed_load_backoff_s=failed_load_backoff_s,
         )
+        self.cpus = check_cpus(cpus)
         self.name = name or tier_type
         self._init_scheduler_side(
             primary.view, None, job_timeout_s, shutdown_timeout_s, failed_load_backoff_s
@@ -148,6 +152,7 @@ class IsolatedTierManager(AsyncTierManager):
             shared_max_known_keys=shared_max_known_keys,
             max_events=max_events,
             verify=verify,
+            cpus=self.cpus,
         )
         self._process = context.Process(
             target=serve,

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from tiering.errors import ConfigError, ContractError, TierClosedError
 from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
 from tiering.keys import OffloadKey, ReqContext
+from tiering.runtime.affinity import check_cpus, pin_current_thread
 from tiering.runtime.loop_thread import LoopThread
 from tiering.runtime.mailbox import Mailbox
 from tiering.runtime.service import TierService, _Job
@@ -81,7 +82,10 @@ class AsyncTierManager(SecondaryTierManager):
     off): after a load of a key fails, :meth:`lookup` answers False for it
     this long (until a store of it is submitted), so an engine whose manager
     promotes every hit again at once - vLLM 0.33's - recomputes the block
-    instead of retrying a doomed load every step.
+    instead of retrying a doomed load every step. ``cpus`` (default: not
+    pinned) restricts the loop thread, and every thread the tier starts from
+    it, to those CPUs (ids, or a list string like ``"2-5"``), set before the
+    tier opens; keep them apart from the scheduler thread's.
 
     Use it as a context manager, or call :meth:`shutdown`.
     """
@@ -105,6 +109,7 @@ class AsyncTierManager(SecondaryTierManager):
         max_events: int = 100_000,
         verify: bool | None = None,
         failed_load_backoff_s: float = 0.0,
+        cpus: Collection[int] | str | None = None,
     ) -> None:
         super().__init__(primary_kv_view, tier_type)
         if not isinstance(tier, AsyncTier):
@@ -121,6 +126,7 @@ class AsyncTierManager(SecondaryTierManager):
             verify=verify,
             failed_load_backoff_s=failed_load_backoff_s,
         )
+        self.cpus = check_cpus(cpus)
         self.name = name or tier_type
         self.tier = tier
         self._init_scheduler_side(
@@ -143,6 +149,8 @@ class AsyncTierManager(SecondaryTierManager):
         self._mailbox = Mailbox(self._thread.loop)
         context = TierContext(self.block_bytes, layout_fingerprint, self.name)
         try:
+            if self.cpus is not None:  # before the tier opens: the threads it starts inherit it
+                self._thread.call(_pin_loop_thread, self.cpus, timeout=float(open_timeout_s))
             self._thread.call(self._service.open, context, timeout=float(open_timeout_s))
         except BaseException:
             self._closed = True
@@ -557,6 +565,7 @@ def check_runtime_options(
     max_events: object = 100_000,
     verify: object = None,
     failed_load_backoff_s: object = 0.0,
+    cpus: object = None,
 ) -> None:
     """Check the runtime's options (a tier entry's framework keys) without building anything.
 
@@ -592,6 +601,11 @@ def check_runtime_options(
         )
     if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events < 0:
         raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
+    check_cpus(cpus)
+
+
+async def _pin_loop_thread(cpus: frozenset[int]) -> None:
+    pin_current_thread(cpus)  # runs on the loop thread
 
 
 def _geometry(view: memoryview, block_bytes: int | None) -> tuple[memoryview, int, int]:

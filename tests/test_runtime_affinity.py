@@ -1,0 +1,190 @@
+"""Pinning what runs a tier (the ``cpus`` option): checks, the loop thread, its threads, a child.
+
+The pinned CPU is one this process may already use (the last of them), so
+the tests run on any Linux machine; the scheduler thread's own affinity must
+never change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.runtime_support import key, one_result, primary, store
+from tiering.errors import ConfigError
+from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.isolation import IsolatedTierManager
+from tiering.registry import create_secondary_tier
+from tiering.runtime import AsyncTierManager
+from tiering.runtime.affinity import (
+    _parse_cpu_list,
+    allowed_cpus,
+    check_cpus,
+    format_cpu_list,
+    pin_current_thread,
+)
+from tiering.tier import TierContext
+from tiers.memory import MemoryTier
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity"), reason="the platform cannot pin threads"
+)
+
+ALLOWED = allowed_cpus()
+TARGET = max(ALLOWED) if ALLOWED else 0
+
+
+class ThreadRecordingTier(MemoryTier):
+    """Records the affinity of its loop thread and of a worker thread it starts while opening."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop_thread_cpus: set[int] = set()
+        self.worker_cpus: set[int] = set()
+
+    async def open(self, context: TierContext) -> None:
+        await super().open(context)
+        self.loop_thread_cpus = os.sched_getaffinity(0)
+        self.worker_cpus = await asyncio.to_thread(os.sched_getaffinity, 0)
+
+
+# -- checks -------------------------------------------------------------------------------------
+
+
+def test_none_means_not_pinned_and_ids_or_list_strings_are_accepted() -> None:
+    assert check_cpus(None) is None
+    assert check_cpus([TARGET]) == {TARGET}
+    assert check_cpus((TARGET,)) == {TARGET}
+    assert check_cpus(str(TARGET)) == {TARGET}
+    assert check_cpus(format_cpu_list(ALLOWED)) == ALLOWED
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([], "at least one CPU"),
+        ("", r"'' in '' is not a CPU id"),
+        ("1-x", r"'1-x' in '1-x' is not a CPU id or a range"),
+        ("3-1", r"'3-1' in '3-1' is not a valid CPU range"),
+        ("-1", r"'-1' in '-1' is not a CPU id"),
+        ([-1], r"CPU ids \(ints >= 0\), got -1"),
+        (["0"], r"CPU ids \(ints >= 0\), got '0'"),
+        ([True], r"CPU ids \(ints >= 0\), got True"),
+        (1, "a list of CPU ids or a string"),
+        ({"cpu": 1}, "a list of CPU ids or a string"),
+    ],
+)
+def test_bad_values_are_refused_with_what_is_wrong(value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_cpus(value)
+
+
+def test_cpus_this_machine_lacks_are_named() -> None:
+    missing = (os.cpu_count() or 1) + 1000
+    with pytest.raises(ConfigError, match=rf"cpus: {missing} not a CPU of this machine"):
+        check_cpus([TARGET, missing])
+
+
+def test_a_cpu_the_process_may_not_use_fails_at_pinning_and_changes_nothing() -> None:
+    outside = set(range(os.cpu_count() or 1)) - ALLOWED
+    if not outside:
+        pytest.skip("this process may use every CPU of the machine")
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ConfigError, match=r"not allowed to this process|cannot run on"):
+        pin_current_thread(frozenset({TARGET, min(outside)}))
+    assert os.sched_getaffinity(0) == before
+
+
+@given(st.sets(st.integers(min_value=0, max_value=300)))
+def test_the_list_format_round_trips(cpus: set[int]) -> None:
+    text = format_cpu_list(cpus)
+    assert (_parse_cpu_list(text) if text else set()) == cpus
+    assert " " not in text
+
+
+def test_a_bad_value_fails_the_manager_before_anything_starts() -> None:
+    before = threading.active_count()
+    with pytest.raises(ConfigError, match="cpus must name at least one CPU"):
+        AsyncTierManager(MemoryTier(), primary(rows=4).data, "memory", cpus=[])
+    assert threading.active_count() == before
+
+
+# -- what gets pinned -----------------------------------------------------------------------------
+
+
+def test_the_loop_thread_and_the_threads_the_tier_starts_are_pinned() -> None:
+    scheduler_cpus = os.sched_getaffinity(0)
+    tier = ThreadRecordingTier()
+    with AsyncTierManager(tier, primary(rows=4).data, "memory", cpus=str(TARGET)) as manager:
+        assert manager.cpus == {TARGET}
+        assert tier.loop_thread_cpus == {TARGET}
+        assert tier.worker_cpus == {TARGET}
+        loop_thread = manager._thread._thread
+        assert loop_thread.native_id is not None
+        assert os.sched_getaffinity(loop_thread.native_id) == {TARGET}
+    assert os.sched_getaffinity(0) == scheduler_cpus  # the caller's thread is untouched
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs")
+def test_a_scheduler_pinned_apart_can_pin_its_tier_elsewhere() -> None:
+    scheduler_cpu, tier_cpu = min(ALLOWED), max(ALLOWED)
+    seen: dict[str, object] = {}
+
+    def scheduler() -> None:  # its own thread: this affinity must not leak into other tests
+        try:
+            os.sched_setaffinity(0, {scheduler_cpu})
+            tier = ThreadRecordingTier()
+            with AsyncTierManager(tier, primary(rows=4).data, "memory", cpus=[tier_cpu]):
+                seen["tier"] = tier.loop_thread_cpus
+            seen["scheduler"] = os.sched_getaffinity(0)
+        except BaseException as exc:
+            seen["error"] = exc
+
+    thread = threading.Thread(target=scheduler)
+    thread.start()
+    thread.join(30)
+    assert "error" not in seen, seen.get("error")
+    assert seen == {"tier": {tier_cpu}, "scheduler": {scheduler_cpu}}
+
+
+def test_without_cpus_the_loop_thread_keeps_the_callers_affinity() -> None:
+    tier = ThreadRecordingTier()
+    with AsyncTierManager(tier, primary(rows=4).data, "memory") as manager:
+        assert manager.cpus is None
+        assert tier.loop_thread_cpus == os.sched_getaffinity(0)
+
+
+def test_an_isolated_tiers_process_is_pinned() -> None:
+    scheduler_cpus = os.sched_getaffinity(0)
+    with HostBuffer.create(4, 4096, shared_name=make_shared_name("affinity")) as host:
+        try:
+            factory = functools.partial(MemoryTier, capacity_blocks=4)
+            with IsolatedTierManager(
+                factory, host, "memory", cpus=[TARGET], job_timeout_s=10.0
+            ) as manager:
+                assert manager.pid is not None
+                tasks = os.listdir(f"/proc/{manager.pid}/task")
+                assert tasks and all(os.sched_getaffinity(int(t)) == {TARGET} for t in tasks)
+                manager.submit_store(store(1, [key(1)], [0]))
+                assert one_result(manager).success
+        finally:
+            host.unlink()
+    assert os.sched_getaffinity(0) == scheduler_cpus
+
+
+def test_the_cpus_key_of_a_config_entry() -> None:
+    view = primary(rows=4).data
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\].*cpus: .* not a CPU of this"):
+        create_secondary_tier({"type": "memory", "cpus": [os.cpu_count() or 1]}, view, position=1)
+    manager = create_secondary_tier({"type": "memory", "cpus": [TARGET]}, view, position=0)
+    try:
+        assert manager.cpus == {TARGET}
+        assert os.sched_getaffinity(manager._thread._thread.native_id or 0) == {TARGET}
+    finally:
+        manager.shutdown()
