@@ -11,10 +11,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
-from tiering.errors import BlockNotFound
+from tiering.errors import BlockNotFound, TierClosedError
 from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
 from tiering.tier import AsyncTier
 from tiers.memory import MemoryTier
@@ -167,3 +168,21 @@ class SharedTier(AsyncTier):
 
     async def list_keys(self) -> Iterable[OffloadKey]:
         return ()
+
+
+def assert_every_call_refused_after_shutdown(manager: AsyncTierManager) -> None:
+    """Every scheduler-facing call of a shut-down manager raises ``TierClosedError``."""
+    for call in (
+        lambda: manager.lookup(key(1), NO_CONTEXT),
+        lambda: manager.lookup_state(key(1)),
+        lambda: manager.submit_store(store(1, [key(1)], [0])),
+        lambda: manager.submit_load(load(1, [key(1)], [0])),
+        lambda: manager.get_finished(),
+        lambda: manager.drain(1),
+        lambda: manager.touch([key(1)], NO_CONTEXT),
+        lambda: manager.get_num_blocks(),
+        lambda: manager.take_events(),
+    ):
+        with pytest.raises(TierClosedError):
+            call()
+    assert manager.stats().closed

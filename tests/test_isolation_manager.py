@@ -22,6 +22,7 @@ import pytest
 
 from tests.runtime_support import (
     LooseJob,
+    assert_every_call_refused_after_shutdown,
     fill,
     key,
     load,
@@ -30,7 +31,7 @@ from tests.runtime_support import (
     store,
     wait_until,
 )
-from tiering.errors import ConfigError, ContractError, TierClosedError
+from tiering.errors import ConfigError, ContractError
 from tiering.host_buffer import HostBuffer, make_shared_name
 from tiering.isolation import IsolatedTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey
@@ -417,20 +418,7 @@ def test_shutdown_is_idempotent_and_later_calls_raise(host: HostBuffer) -> None:
     m.shutdown()
     m.shutdown()
     assert process_is_gone(pid)
-    for call in (
-        lambda: m.lookup(key(1), NO_CONTEXT),
-        lambda: m.lookup_state(key(1)),
-        lambda: m.submit_store(store(1, [key(1)], [0])),
-        lambda: m.submit_load(load(1, [key(1)], [0])),
-        lambda: m.get_finished(),
-        lambda: m.drain(1),
-        lambda: m.touch([key(1)], NO_CONTEXT),
-        lambda: m.get_num_blocks(),
-        lambda: m.take_events(),
-    ):
-        with pytest.raises(TierClosedError):
-            call()
-    assert m.stats().closed
+    assert_every_call_refused_after_shutdown(m)
 
 
 def test_shutdown_with_a_job_in_flight_returns_within_its_bound(

@@ -12,6 +12,7 @@ from tests.runtime_support import (
     BLOCK,
     LooseJob,
     SlowTier,
+    assert_every_call_refused_after_shutdown,
     fill,
     key,
     load,
@@ -21,7 +22,7 @@ from tests.runtime_support import (
     store,
     wait_until,
 )
-from tiering.errors import ConfigError, ContractError, TierClosedError
+from tiering.errors import ConfigError, ContractError
 from tiering.keys import NO_CONTEXT, OffloadKey
 from tiering.runtime import AsyncTierManager, Presence, TierStats
 from tiering.testing.faults import FaultPlan, FaultyTier
@@ -436,16 +437,4 @@ def test_calls_after_shutdown_raise_and_shutdown_is_idempotent(buf: np.ndarray) 
     manager = AsyncTierManager(MemoryTier(), buf.data, "memory")
     manager.shutdown()
     manager.shutdown()
-    for call in (
-        lambda: manager.lookup(key(1), NO_CONTEXT),
-        lambda: manager.submit_store(store(1, [key(1)], [0])),
-        lambda: manager.submit_load(load(1, [key(1)], [0])),
-        lambda: manager.get_finished(),
-        lambda: manager.drain(1),
-        lambda: manager.touch([key(1)], NO_CONTEXT),
-        lambda: manager.get_num_blocks(),
-        lambda: manager.take_events(),
-    ):
-        with pytest.raises(TierClosedError):
-            call()
-    assert manager.stats().closed
+    assert_every_call_refused_after_shutdown(manager)
