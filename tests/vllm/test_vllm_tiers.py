@@ -12,6 +12,7 @@ really came back from our tier.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -409,6 +410,15 @@ def test_shutdown_stops_our_thread_and_lets_vllm_unmap_the_buffer(make_manager: 
     assert list(tier.get_finished_jobs()) == [] and not tier.has_pending_work()
 
 
+def test_the_cpus_key_pins_our_loop_thread(make_manager: Any) -> None:
+    cpu = max(os.sched_getaffinity(0))
+    manager, driver = make_manager([ours("KVTieringMemoryTier", name="pinned", cpus=[cpu])])
+    (thread,) = [t for t in threading.enumerate() if t.name == "tier-pinned"]
+    assert thread.native_id is not None and os.sched_getaffinity(thread.native_id) == {cpu}
+    round_trip(driver, chained_keys("pinned", 4))
+    shut_down(manager, driver)
+
+
 def test_fs_tier_lets_vllm_unmap_the_buffer(make_manager: Any, tmp_path: Any) -> None:
     manager, driver = make_manager([ours("KVTieringFileSystemTier", root_dir=str(tmp_path))])
     round_trip(driver, chained_keys("fs-bye", 4))
@@ -427,6 +437,7 @@ def test_fs_tier_lets_vllm_unmap_the_buffer(make_manager: Any, tmp_path: Any) ->
         (ours("KVTieringTier", tier="memory", medium="tape"), "medium"),
         (ours("KVTieringMemoryTier", locality="moon"), "locality"),
         (ours("KVTieringMemoryTier", failed_load_backoff_s=-1), "failed_load_backoff_s"),
+        (ours("KVTieringMemoryTier", cpus=[]), "cpus must name at least one CPU"),
         (ours("KVTieringFileSystemTier"), "root_dir"),
     ],
 )
