@@ -1,16 +1,18 @@
 """CPU affinity for what runs a tier: its event-loop thread, or its child process.
 
-A tier's threads that share CPUs with the scheduler thread slow the
-scheduler's own Python even when they hold no GIL: they take its CPU while it
-waits for the GPU and leave its caches cold (``docs/runtime.md``, "Pinning",
-has the engine-step figures). Which CPUs an engine may spare is the
+A tier's threads that share CPUs with the scheduler thread compete with it
+for the CPU and its caches even when they hold no GIL (``docs/runtime.md``,
+"Pinning", has the engine-step figures: it helped the Redis and fs-threads
+tiers there, not io_uring or the memory tier). Which CPUs an engine may spare is the
 operator's call, so pinning is an option (the ``cpus`` framework key), never
 a default.
 
 ``cpus`` is a collection of CPU ids or a string in the kernel's list format
-(``"2-5,8"``, as ``taskset -c`` and ``Cpus_allowed_list`` write it). Every id
-must be one this process may run on now; anything else is refused with a
-:class:`~tiering.errors.ConfigError` naming it, before anything starts.
+(``"2-5,8"``, as ``taskset -c`` and ``Cpus_allowed_list`` write it). Its
+form and that every id is a CPU of this machine are checked before anything
+starts (:func:`check_cpus`); that the process's cpuset grants them all is
+verified when they are set, and a mask the kernel narrowed is refused, not
+used. Both raise :class:`~tiering.errors.ConfigError` naming the CPUs.
 Threads inherit their creator's affinity, so pinning the loop thread before
 the tier opens pins every thread the tier starts from it (worker threads,
 ``asyncio.to_thread``'s executor, io_uring's kernel workers).
