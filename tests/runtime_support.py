@@ -186,3 +186,13 @@ def assert_every_call_refused_after_shutdown(manager: AsyncTierManager) -> None:
         with pytest.raises(TierClosedError):
             call()
     assert manager.stats().closed
+
+
+def assert_store_load_lookup(manager: AsyncTierManager, rows: np.ndarray) -> None:
+    """Row 0 stored as key 1, loaded back into row 1 byte for byte, then looked up."""
+    data = fill(rows, 0)
+    manager.submit_store(store(1, [key(1)], [0]))
+    assert one_result(manager).success
+    manager.submit_load(load(2, [key(1)], [1]))
+    assert one_result(manager).success and bytes(rows[1]) == data
+    assert manager.lookup(key(1), NO_CONTEXT) is True

@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.runtime_support import fill, key, load, one_result, primary, store
+from tests.runtime_support import (
+    assert_store_load_lookup,
+    primary,
+)
 from tiering.errors import ConfigError
-from tiering.keys import NO_CONTEXT
 from tiering.registry import (
     BUILTIN_TIERS,
     ENTRY_POINT_GROUP,
@@ -63,13 +65,7 @@ def test_memory_tier_from_config_with_framework_options(
     assert manager.tier_type == "memory" and manager.name == "memory-0"
     assert manager.job_timeout_s == 5 and manager.shutdown_timeout_s == 2
     assert manager.tier.context.layout_fingerprint == "fp"
-    buf = np.frombuffer(view, dtype=np.uint8).reshape(8, -1)
-    data = fill(buf, 0)
-    manager.submit_store(store(1, [key(1)], [0]))
-    assert one_result(manager).success
-    manager.submit_load(load(2, [key(1)], [1]))
-    assert one_result(manager).success and bytes(buf[1]) == data
-    assert manager.lookup(key(1), NO_CONTEXT) is True
+    assert_store_load_lookup(manager, np.frombuffer(view, dtype=np.uint8).reshape(8, -1))
 
 
 def test_the_seed_example_config_works_unchanged(
@@ -247,13 +243,7 @@ def test_isolation_process_runs_the_tier_in_a_child_process(tmp_path: Any) -> No
         manager = create_secondary_tier(config, host.view, position=2, primary_buffer=host)
         try:
             assert isinstance(manager, IsolatedTierManager) and manager.name == "memory-2"
-            buf = host.as_numpy()
-            data = fill(buf, 0)
-            manager.submit_store(store(1, [key(1)], [0]))
-            assert one_result(manager).success
-            manager.submit_load(load(2, [key(1)], [1]))
-            assert one_result(manager).success and bytes(buf[1]) == data
-            assert manager.lookup(key(1), NO_CONTEXT) is True
+            assert_store_load_lookup(manager, host.as_numpy())
             assert manager.stats().capacity_blocks == 4
         finally:
             manager.shutdown()

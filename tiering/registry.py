@@ -52,7 +52,7 @@ import importlib
 import importlib.metadata
 import inspect
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tiering.auth import AUTH_OPTION_NAMES, authenticator_from_options
@@ -334,17 +334,24 @@ def create_secondary_tier(
         raise ConfigError(f"{where}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {tier_class.__name__} rejected its options: {exc}") from exc
+    start = functools.partial(
+        AsyncTierManager,
+        tier,
+        primary_kv_view,
+        str(type_name),
+        layout_fingerprint=layout_fingerprint,
+    )
+    return _start_manager(start, config, where, position)
+
+
+def _start_manager(
+    start: Callable[..., AsyncTierManager], config: Mapping[str, Any], where: str, position: int
+) -> AsyncTierManager:
+    """``start(name=..., **the entry's framework options)``; its errors name the entry."""
     manager_options = {k: config[k] for k in _MANAGER_OPTIONS if k in config}
-    name = config.get("name") or f"{type_name}-{position}"  # null: the default
+    name = config.get("name") or f"{config['type']}-{position}"  # null: the default
     try:
-        return AsyncTierManager(
-            tier,
-            primary_kv_view,
-            str(type_name),
-            name=name,
-            layout_fingerprint=layout_fingerprint,
-            **manager_options,
-        )
+        return start(name=name, **manager_options)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     except Exception as exc:
@@ -376,21 +383,14 @@ def _create_isolated(
             f"{where}: isolation 'process' builds the tier in a child process, but "
             f"{tier_class.__name__} and its options do not pickle: {exc}"
         ) from exc
-    manager_options = {k: config[k] for k in _MANAGER_OPTIONS if k in config}
-    try:
-        return IsolatedTierManager(
-            factory,
-            primary_buffer,
-            str(config["type"]),
-            name=config.get("name") or f"{config['type']}-{position}",
-            layout_fingerprint=layout_fingerprint,
-            **manager_options,
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    except Exception as exc:
-        exc.add_note(_TIER_START_NOTE + _start_failure(where, exc, config))
-        raise
+    start = functools.partial(
+        IsolatedTierManager,
+        factory,
+        primary_buffer,
+        str(config["type"]),
+        layout_fingerprint=layout_fingerprint,
+    )
+    return _start_manager(start, config, where, position)
 
 
 _TIER_START_NOTE = "kv-tiering: "

@@ -289,13 +289,7 @@ class IsolatedTierManager(AsyncTierManager):
             return
         if self._unsent:
             self._flush_outbox()
-        messages = self._results_ring.receive()
-        for message in messages:
-            changes, results, events, counters = pickle.loads(message)
-            self._mirror.apply(changes)
-            self._arrived.extend(results)
-            self._keep_events(events)
-            self._latest_counters = counters
+        self._take_messages(apply_changes=True)
         now = time.monotonic()
         if self._dead is None and now >= self._next_liveness_check:
             self._next_liveness_check = now + LIVENESS_EVERY_S
@@ -311,7 +305,7 @@ class IsolatedTierManager(AsyncTierManager):
                 kept.append(event)
 
     def _on_death(self) -> None:
-        self._results_ring_drain_once()
+        self._take_messages(apply_changes=False)  # the view is forgotten below
         code = self._process.exitcode
         self._dead = f"tier {self.name}: its process died (exit code {code})"
         logger.error("%s; its jobs fail and lookups answer False from now on", self._dead)
@@ -323,9 +317,13 @@ class IsolatedTierManager(AsyncTierManager):
             if job_id not in answered:
                 self._arrived.append(self._death_result(job_id))
 
-    def _results_ring_drain_once(self) -> None:
+    def _take_messages(self, *, apply_changes: bool) -> None:
+        """What the results ring holds: view changes (unless the view is gone), results,
+        events and the latest counters."""
         for message in self._results_ring.receive():
-            _, results, events, counters = pickle.loads(message)
+            changes, results, events, counters = pickle.loads(message)
+            if apply_changes:
+                self._mirror.apply(changes)
             self._arrived.extend(results)
             self._keep_events(events)
             self._latest_counters = counters
