@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/engine_step.py --quick    # smaller counts
     .venv/bin/python benchmarks/engine_step.py --tiers memory fs-threads
     .venv/bin/python benchmarks/engine_step.py --forward-ms 2 --pin both  # GPU waits; pinning
+    .venv/bin/python benchmarks/engine_step.py --forward-ms 2 --gil-hold-ms 1 off
 
 The main thread plays an inference engine's scheduler thread. Each step it
 runs a fixed pure-Python ``schedule()`` shaped like vLLM's v1 scheduler at a
@@ -22,7 +23,10 @@ loopback with a redis-server started here) the steps run alone and with the
 tier, in alternating rounds, and the table reports the ``schedule()`` time
 p50/p99 against the alone rounds (targets: p50 <= 1.10x, p99 <= 1.25x,
 printed as met/missed), the whole step's wall time (facade calls included),
-the tier's blocks/s and the CPU time per block of what runs it (its event-loop
+with ``--forward-ms`` the *wake* latency (how late the scheduler thread got
+going after each forward wait: the sleep's overrun, which includes waiting for
+the GIL while a tier's thread holds it; ``docs/runtime.md``, "The GIL"), the
+tier's blocks/s and the CPU time per block of what runs it (its event-loop
 thread; for a tier in a child process, that whole process). Each tier runs
 twice by default (``--isolation both``): behind the default facade, its loop
 thread in this process, and behind :class:`~tiering.isolation.IsolatedTierManager`,
@@ -30,7 +34,9 @@ in a child process attached to the same shared-memory primary rows. A tier that
 cannot run here (io_uring unavailable, no redis-server) is skipped with the
 reason. ``--pin on|both`` also runs rows with the scheduler thread on one CPU
 and the tier on the others (the runtime's ``cpus`` option; ``docs/runtime.md``,
-"Pinning"). Figures of a shared machine are noisy: compare within one run.
+"Pinning"), and ``--gil-hold-ms 1 0.25 off`` a row per value of the runtime's
+``max_gil_hold_ms`` (``off``: no GIL hand-offs). Figures of a shared machine are
+noisy: compare within one run.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from tiering.jobs import JobMetadata
 from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.affinity import allowed_cpus, format_cpu_list
+from tiering.runtime.facade import DEFAULT_MAX_GIL_HOLD_MS
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -242,12 +249,14 @@ def open_tier(
     scratch: Path,
     placement: str = "thread",
     tier_cpus: frozenset[int] | None = None,
+    gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
 ) -> Iterator[Rig]:
     """The tier ``kind`` behind a facade over fresh primary rows (a context).
 
     ``placement``: ``thread`` (the default facade, a loop thread in this
     process) or ``process`` (:class:`~tiering.isolation.IsolatedTierManager`);
-    ``tier_cpus``: the runtime's ``cpus`` option (redis-server is put there too).
+    ``tier_cpus``: the runtime's ``cpus`` option (redis-server is put there too);
+    ``gil_hold_ms``: the runtime's ``max_gil_hold_ms`` (``None``: no GIL hand-offs).
     """
     block = args.block_kib * KIB
     rows = args.in_flight * args.blocks_per_job
@@ -300,6 +309,7 @@ def open_tier(
             "job_timeout_s": 120.0,
             "layout_fingerprint": f"engine-step-{block}",
             "cpus": tier_cpus,
+            "max_gil_hold_ms": gil_hold_ms,
         }
         if server is not None and tier_cpus is not None:
             pin_process(server.process.pid, tier_cpus)  # it serves the tier: its CPUs
@@ -438,6 +448,9 @@ def thread_cpu(thread: threading.Thread) -> Callable[[], float]:
 class Phase:
     schedule_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    #: How late the scheduler thread got going after each forward wait: the sleep's
+    #: overrun, which includes waiting for the GIL held by a tier's thread.
+    wake_s: list[float] = field(default_factory=list)
 
 
 def run_steps(
@@ -459,7 +472,9 @@ def run_steps(
         into.schedule_s.append(t1 - t0)
         into.step_s.append(time.perf_counter() - t0)
         if forward_s:
+            slept = time.perf_counter()
             time.sleep(forward_s)
+            into.wake_s.append(time.perf_counter() - slept - forward_s)
 
 
 @dataclass
@@ -476,16 +491,33 @@ class TierRow:
 
 
 def bench_tier(
-    kind: str, args: argparse.Namespace, scratch: Path, placement: str, pinned: bool = False
+    kind: str,
+    args: argparse.Namespace,
+    scratch: Path,
+    placement: str,
+    pinned: bool = False,
+    gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
 ) -> TierRow:
-    where = [w for w, on in (("child process", placement == "process"), ("pinned", pinned)) if on]
+    where = [
+        w
+        for w, on in (
+            ("child process", placement == "process"),
+            ("pinned", pinned),
+            ("no GIL hand-off", gil_hold_ms is None),
+            (
+                f"GIL hand-off {gil_hold_ms} ms",
+                gil_hold_ms not in (None, DEFAULT_MAX_GIL_HOLD_MS),
+            ),
+        )
+        if on
+    ]
     row = TierRow(f"{kind} ({', '.join(where)})" if where else kind, "", placement)
     cpus = args.cpus
     tier_cpus = frozenset(cpus[1:]) if pinned else None
     # This (the scheduler) thread only: on its CPU for a pinned row, back on all for the next.
     os.sched_setaffinity(0, {cpus[0]} if pinned else cpus)
     try:
-        with open_tier(kind, args, scratch, placement, tier_cpus) as rig:
+        with open_tier(kind, args, scratch, placement, tier_cpus, gil_hold_ms) as rig:
             row.description = rig.description
             scheduler = ToyScheduler(args.running)
             mix = JobMix(rig.manager, args.in_flight, args.blocks_per_job, args.lookups)
@@ -514,6 +546,12 @@ def _wall(phase: Phase) -> str:
     return f"{pct(phase.step_s, 50) * 1e6:.0f} / {pct(phase.step_s, 99) * 1e6:.0f}"
 
 
+def _wake(phase: Phase) -> str:
+    if not phase.wake_s:
+        return "-"
+    return f"{pct(phase.wake_s, 50) * 1e6:.0f} / {pct(phase.wake_s, 99) * 1e6:.0f}"
+
+
 def report(rows: list[TierRow], args: argparse.Namespace) -> None:
     header = (
         "tier",
@@ -522,6 +560,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         "schedule p99 us",
         "p99 ratio",
         "step wall p50/p99 us",
+        "wake p50/p99 us",
         "blocks/s",
         "tier CPU us/block",
         f"p50 <= {P50_TARGET:.2f}x",
@@ -544,6 +583,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 f"{a99 * 1e6:.0f}",
                 "1.00x",
                 _wall(row.alone),
+                _wake(row.alone),
                 "-",
                 "-",
                 "",
@@ -558,6 +598,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 f"{b99 * 1e6:.0f}",
                 f"{r99:.2f}x",
                 _wall(row.busy),
+                _wake(row.busy),
                 f"{row.blocks_per_s:,.0f}",
                 f"{row.loop_cpu_us_per_block:.1f}",
                 "met" if r50 <= P50_TARGET else "missed",
@@ -575,6 +616,18 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
     print()
     print("\n".join(notes))
+
+
+def _hold_ms(text: str) -> float | None:
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'off', got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of ms, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -618,6 +671,15 @@ def main(argv: list[str] | None = None) -> None:
         "pinned (default off)",
     )
     parser.add_argument(
+        "--gil-hold-ms",
+        nargs="+",
+        type=_hold_ms,
+        default=[DEFAULT_MAX_GIL_HOLD_MS],
+        metavar="MS|off",
+        help="the runtime's max_gil_hold_ms for each row, one row per value ('off': no GIL "
+        f"hand-offs; default {DEFAULT_MAX_GIL_HOLD_MS:g})",
+    )
+    parser.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
@@ -650,10 +712,11 @@ def main(argv: list[str] | None = None) -> None:
         placements = ("thread", "process") if args.isolation == "both" else (args.isolation,)
         pinnings = {"off": (False,), "on": (True,), "both": (False, True)}[args.pin]
         rows = [
-            bench_tier(kind, args, Path(tmp), placement, pinned)
+            bench_tier(kind, args, Path(tmp), placement, pinned, gil_hold_ms)
             for kind in args.tiers
             for placement in placements
             for pinned in pinnings
+            for gil_hold_ms in args.gil_hold_ms
         ]
     report(rows, args)
 

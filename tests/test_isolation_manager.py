@@ -23,6 +23,7 @@ import pytest
 from tests.runtime_support import (
     LooseJob,
     assert_every_call_refused_after_shutdown,
+    assert_store_load_lookup,
     fill,
     key,
     load,
@@ -325,6 +326,16 @@ def test_a_factory_that_is_not_callable_is_refused(host: HostBuffer) -> None:
 def test_bad_runtime_options_are_refused_before_a_process_starts(host: HostBuffer) -> None:
     with pytest.raises(ConfigError, match="job_timeout_s"):
         IsolatedTierManager(memory_factory(), host, "iso", job_timeout_s=0)
+    with pytest.raises(ConfigError, match="max_gil_hold_ms"):
+        IsolatedTierManager(memory_factory(), host, "iso", max_gil_hold_ms=0)
+
+
+@pytest.mark.parametrize("max_gil_hold_ms", [None, 0.25])
+def test_the_tiers_process_runs_with_gil_hand_offs_off_or_tight(
+    host: HostBuffer, rows: np.ndarray, max_gil_hold_ms: float | None
+) -> None:
+    with isolated(memory_factory(), host, max_gil_hold_ms=max_gil_hold_ms) as manager:
+        assert_store_load_lookup(manager, rows)
 
 
 # -- start-up failures ------------------------------------------------------------------------

@@ -31,6 +31,9 @@ The other keys of the dict are split in two. The *framework's* keys
 ``cpus``                 CPUs for what runs the tier: its loop thread and the threads
                          it starts, or its whole child process (a list of ids or a
                          string like ``"2-5,8"``; default: not pinned)
+``max_gil_hold_ms``      longest run of loop work between GIL hand-offs, so the
+                         scheduler thread gets the GIL back within about that long
+                         (default 1; null: off; ``docs/runtime.md``, "The GIL")
 ``isolation``            ``"thread"`` (default: the tier's event loop on a thread of this
                          process) or ``"process"`` (in a child process:
                          :class:`~tiering.isolation.IsolatedTierManager`; the tier's
@@ -90,6 +93,7 @@ FRAMEWORK_KEYS = (
     "verify",
     "failed_load_backoff_s",
     "cpus",
+    "max_gil_hold_ms",
     "isolation",
 )
 _MANAGER_OPTIONS = FRAMEWORK_KEYS[3:-1]

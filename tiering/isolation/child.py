@@ -40,6 +40,7 @@ from tiering.isolation.ring import WAKE_WORD, ByteRing
 from tiering.isolation.wakeup import SAFETY_POLL_S, WakeReceiver
 from tiering.jobs import JobMetadata
 from tiering.runtime.affinity import pin_current_process
+from tiering.runtime.gil_handoff import handoff_loop_factory
 from tiering.runtime.service import TierService, _Job
 from tiering.tier import AsyncTier, TierContext
 
@@ -74,6 +75,7 @@ class ChildSpec:
     max_events: int
     verify: bool | None
     cpus: frozenset[int] | None = None
+    max_gil_hold_s: float | None = None
 
 
 def serve(spec: ChildSpec, control: Connection, wake: Connection) -> None:
@@ -81,7 +83,8 @@ def serve(spec: ChildSpec, control: Connection, wake: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler's process decides when to stop
     try:
         pin_current_process(spec.cpus)  # before the tier starts threads: they inherit it
-        asyncio.run(_Child(spec, control, wake).run())
+        with asyncio.Runner(loop_factory=handoff_loop_factory(spec.max_gil_hold_s)) as runner:
+            runner.run(_Child(spec, control, wake).run())
     except BaseException as exc:  # reported to the parent, which raises it
         logger.debug("tier process %s failed", spec.name, exc_info=True)
         _send_error(control, exc)

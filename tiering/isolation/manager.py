@@ -39,7 +39,12 @@ from tiering.isolation.wakeup import WakeSender
 from tiering.jobs import JobResult, SecondaryTierManager
 from tiering.keys import OffloadKey, ReqContext
 from tiering.runtime.affinity import check_cpus
-from tiering.runtime.facade import AsyncTierManager, Presence, check_runtime_options
+from tiering.runtime.facade import (
+    DEFAULT_MAX_GIL_HOLD_MS,
+    AsyncTierManager,
+    Presence,
+    check_runtime_options,
+)
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters
 from tiering.tier import AsyncTier
@@ -62,7 +67,9 @@ class IsolatedTierManager(AsyncTierManager):
     :class:`~tiering.host_buffer.HostBuffer` (``CPUPrimaryTier(...,
     shared_name=...)``'s ``buffer``). The keyword options are
     :class:`~tiering.runtime.AsyncTierManager`'s, with the same meaning
-    (``cpus`` pins every thread of the child process, before the tier opens);
+    (``cpus`` pins every thread of the child process, before the tier opens;
+    ``max_gil_hold_ms`` bounds the child's loop between GIL hand-offs to the
+    tier's own threads, the scheduler's thread not being there);
     ``ring_bytes`` sizes each ring. Construction starts the process and
     returns once the tier is open there; a tier that fails to open raises
     its own exception here (its type kept when it pickles), and
@@ -89,6 +96,7 @@ class IsolatedTierManager(AsyncTierManager):
         verify: bool | None = None,
         failed_load_backoff_s: float = 0.0,
         cpus: Collection[int] | str | None = None,
+        max_gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
         ring_bytes: int = RING_BYTES,
     ) -> None:
         if not callable(tier_factory):
@@ -112,6 +120,7 @@ class IsolatedTierManager(AsyncTierManager):
             max_events=max_events,
             verify=verify,
             failed_load_backoff_s=failed_load_backoff_s,
+            max_gil_hold_ms=max_gil_hold_ms,
         )
         self.cpus = check_cpus(cpus)
         self.name = name or tier_type
@@ -153,6 +162,7 @@ class IsolatedTierManager(AsyncTierManager):
             max_events=max_events,
             verify=verify,
             cpus=self.cpus,
+            max_gil_hold_s=None if max_gil_hold_ms is None else max_gil_hold_ms / 1e3,
         )
         self._process = context.Process(
             target=serve,

@@ -30,6 +30,7 @@ from tiering.errors import ConfigError, ContractError, TierClosedError
 from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
 from tiering.keys import OffloadKey, ReqContext
 from tiering.runtime.affinity import check_cpus, pin_current_thread
+from tiering.runtime.gil_handoff import DEFAULT_MAX_GIL_HOLD_S
 from tiering.runtime.loop_thread import LoopThread
 from tiering.runtime.mailbox import Mailbox
 from tiering.runtime.service import TierService, _Job
@@ -39,6 +40,8 @@ from tiering.tier import AsyncTier, TierContext
 logger = logging.getLogger("tiering.runtime")
 
 _NOTHING: tuple[JobResult, ...] = ()
+#: ``max_gil_hold_ms``'s default.
+DEFAULT_MAX_GIL_HOLD_MS = DEFAULT_MAX_GIL_HOLD_S * 1e3
 
 
 class Presence(enum.Enum):
@@ -86,6 +89,11 @@ class AsyncTierManager(SecondaryTierManager):
     pinned) restricts the loop thread, and every thread the tier starts from
     it, to those CPUs (ids, or a list string like ``"2-5"``), set before the
     tier opens; keep them apart from the scheduler thread's.
+    ``max_gil_hold_ms`` (default 1; ``None``: off) bounds how long the loop
+    thread runs callbacks back to back before it releases the GIL for a
+    moment, so that a thread waiting for it (the scheduler, back from a GPU
+    step) gets it within about that long instead of waiting while the loop
+    stays busy (:mod:`tiering.runtime.gil_handoff`).
 
     Use it as a context manager, or call :meth:`shutdown`.
     """
@@ -110,6 +118,7 @@ class AsyncTierManager(SecondaryTierManager):
         verify: bool | None = None,
         failed_load_backoff_s: float = 0.0,
         cpus: Collection[int] | str | None = None,
+        max_gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
     ) -> None:
         super().__init__(primary_kv_view, tier_type)
         if not isinstance(tier, AsyncTier):
@@ -125,6 +134,7 @@ class AsyncTierManager(SecondaryTierManager):
             max_events=max_events,
             verify=verify,
             failed_load_backoff_s=failed_load_backoff_s,
+            max_gil_hold_ms=max_gil_hold_ms,
         )
         self.cpus = check_cpus(cpus)
         self.name = name or tier_type
@@ -132,7 +142,9 @@ class AsyncTierManager(SecondaryTierManager):
         self._init_scheduler_side(
             primary_kv_view, block_bytes, job_timeout_s, shutdown_timeout_s, failed_load_backoff_s
         )
-        self._thread = LoopThread(f"tier-{self.name}")
+        self._thread = LoopThread(
+            f"tier-{self.name}", None if max_gil_hold_ms is None else max_gil_hold_ms / 1e3
+        )
         self._service = TierService(
             tier,
             name=self.name,
@@ -566,6 +578,7 @@ def check_runtime_options(
     verify: object = None,
     failed_load_backoff_s: object = 0.0,
     cpus: object = None,
+    max_gil_hold_ms: object = DEFAULT_MAX_GIL_HOLD_MS,
 ) -> None:
     """Check the runtime's options (a tier entry's framework keys) without building anything.
 
@@ -601,6 +614,15 @@ def check_runtime_options(
         )
     if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events < 0:
         raise ConfigError(f"max_events must be a non-negative int, got {max_events!r}")
+    if max_gil_hold_ms is not None and (
+        not isinstance(max_gil_hold_ms, (int, float))
+        or isinstance(max_gil_hold_ms, bool)
+        or not 0 < max_gil_hold_ms < float("inf")
+    ):
+        raise ConfigError(
+            "max_gil_hold_ms must be a positive number of milliseconds or null (off), "
+            f"got {max_gil_hold_ms!r}"
+        )
     check_cpus(cpus)
 
 

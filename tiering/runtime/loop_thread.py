@@ -14,6 +14,9 @@ runtime needs on top:
   the loop thread itself, refused instead of deadlocking; the portal's own
   refusal is a bare ``RuntimeError``) and
   :class:`~tiering.errors.TierClosedError` once closed;
+* **GIL hand-offs**: the loop's selector lets a thread waiting for the GIL
+  (the scheduler) have it at least every ``max_gil_hold_s`` of continuous
+  loop work (:mod:`tiering.runtime.gil_handoff`);
 * a **bounded close**: tasks the tier created with ``loop.create_task``
   (outside the portal's task group) are cancelled and awaited, async
   generators and the default executor (``asyncio.to_thread``) are shut down,
@@ -44,6 +47,11 @@ from typing import Any, TypeVar
 import anyio.from_thread
 
 from tiering.errors import TierClosedError, TieringError
+from tiering.runtime.gil_handoff import (
+    DEFAULT_MAX_GIL_HOLD_S,
+    handoff_loop_factory,
+    handoffs_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +65,24 @@ class WrongThreadError(TieringError, RuntimeError):
 class LoopThread:
     """One event loop on its own named thread (an anyio blocking portal); a context manager.
 
-    Construction starts the thread and returns once the loop runs.
+    Construction starts the thread and returns once the loop runs. The loop
+    hands the GIL to waiting threads after ``max_gil_hold_s`` of continuous
+    work (``None``: never; :mod:`tiering.runtime.gil_handoff`).
     :meth:`close` cancels what is left on the loop, shuts down its default
     executor, stops the portal, joins the thread (and anyio's worker threads)
     and leaves the loop closed. Idempotent.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, max_gil_hold_s: float | None = DEFAULT_MAX_GIL_HOLD_S) -> None:
         self.name = name
         self._close_lock = threading.Lock()
         self._closed = False
         self._portal_cm: contextlib.AbstractContextManager[anyio.from_thread.BlockingPortal] = (
-            anyio.from_thread.start_blocking_portal("asyncio", name=name)
+            anyio.from_thread.start_blocking_portal(
+                "asyncio",
+                {"loop_factory": handoff_loop_factory(max_gil_hold_s)},
+                name=name,
+            )
         )
         self._portal = self._portal_cm.__enter__()
         self._loop, self._thread, self._portal_tasks = self._portal.call(_loop_facts)
@@ -90,6 +104,11 @@ class LoopThread:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def gil_handoffs(self) -> int:
+        """GIL hand-offs the loop has made so far (:mod:`tiering.runtime.gil_handoff`)."""
+        return handoffs_of(self._loop)
 
     def in_loop_thread(self) -> bool:
         """Whether the caller runs on this loop's thread."""
