@@ -106,13 +106,14 @@ def test_a_poll_that_blocked_restarts_the_budget_and_one_that_did_not_keeps_it()
         max_size=60,
     )
 )
-def test_the_loop_never_keeps_the_gil_past_its_budget_nor_pauses_sooner(
+def test_a_poll_pauses_exactly_when_the_loop_has_held_the_gil_for_its_budget(
     steps: list[tuple[float, float | None]],
 ) -> None:
     """Each step: some loop work, then a poll (0: work is ready; None: an event at once;
-    a positive timeout: nothing comes, the poll waits that long). After every poll the
-    loop has let go of the GIL (a pause, or a wait of at least the pause) within the last
-    ``budget``; and pauses are at least ``budget`` apart."""
+    a positive timeout: nothing comes, the poll waits that long). A poll pauses if and
+    only if the loop has not let go of the GIL (a pause, or a wait of at least the pause)
+    for ``budget``; so no callback starts with more than the budget held, and pauses are
+    at least ``budget`` apart."""
     fake = FakeTime()
     budget, pause = 0.001, 20e-6
     selector = _selector(budget, fake, pause_s=pause)
@@ -130,12 +131,14 @@ def test_the_loop_never_keeps_the_gil_past_its_budget_nor_pauses_sooner(
             pauses_before = len(fake.pauses)
             polled_at = fake.now
             selector.select(timeout)
-            if len(fake.pauses) > pauses_before:
+            paused = len(fake.pauses) > pauses_before
+            assert paused == (polled_at - last_let_go >= budget)
+            after_pause = polled_at + pause if paused else polled_at
+            if paused:
                 pause_times.append(polled_at)
+                last_let_go = after_pause
+            if fake.now - after_pause >= pause:
                 last_let_go = fake.now
-            elif fake.now - polled_at >= pause:
-                last_let_go = fake.now
-            assert fake.now - last_let_go < budget
     selector.close()
     assert all(b - a >= budget for a, b in itertools.pairwise(pause_times))
 
