@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,7 @@ class ToyScheduler:
         self.next_id = 0
         self.rng_state = seed * 2654435761 + 1
         self.step_index = 0
+        self.last_output: dict[str, object] = {}
         for _ in range(running):
             self._admit_new()
         while self.waiting:  # start in steady state: everyone decoding
@@ -191,11 +192,13 @@ class ToyScheduler:
             budget -= num_new
             admitted.append(req)
         self.running.extend(admitted)
-        output = {
+        total = sum(scheduled.values())
+        # What vLLM hands to the model runner; kept until the next step, as the engine does.
+        self.last_output = {
             "scheduled_new_reqs": [r.req_id for r in admitted],
             "num_scheduled_tokens": scheduled,
             "new_block_ids": new_blocks,
-            "total": sum(scheduled.values()),
+            "total": total,
             "preempted": [r.req_id for r in preempted],
         }
         # 3. update_from_output: sampled tokens, finished requests free their blocks.
@@ -224,7 +227,7 @@ class ToyScheduler:
         if len(self.prefix_cache) > 200_000:
             self.prefix_cache.clear()
         self.step_index += 1
-        return int(output["total"])  # type: ignore[call-overload]
+        return total
 
 
 # -- the tiers ---------------------------------------------------------------------------------
@@ -542,6 +545,15 @@ def bench_tier(
     return row
 
 
+def print_markdown_table(header: tuple[str, ...], lines: Sequence[tuple[str, ...]]) -> None:
+    """A Markdown table, columns padded to their widest cell (pastes into notes as is)."""
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in lines:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+
+
 def _wall(phase: Phase) -> str:
     return f"{pct(phase.step_s, 50) * 1e6:.0f} / {pct(phase.step_s, 99) * 1e6:.0f}"
 
@@ -609,11 +621,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
             f"- {row.tier}: {row.description}; {len(row.busy.schedule_s)} steps with the tier, "
             f"{len(row.alone.schedule_s)} alone; failed store jobs: {row.failures}"
         )
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for line in lines:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+    print_markdown_table(header, lines)
     print()
     print("\n".join(notes))
 

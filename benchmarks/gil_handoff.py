@@ -41,6 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.engine_step import pct, print_markdown_table
 from tiering.runtime import LoopThread
 from tiering.runtime.facade import DEFAULT_MAX_GIL_HOLD_MS
 
@@ -121,11 +122,6 @@ def run_loop(hold_ms: float | None, args: argparse.Namespace, with_scheduler: bo
     return Row(label, wakes, work_per_s=work / elapsed)
 
 
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0] if __doc__ else None,
@@ -196,11 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"({row.work_alone_per_s / base.work_alone_per_s:.2f}x)",
                 )
             )
-        widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-        print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-        for line in lines:
-            print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+        print_markdown_table(header, lines)
         print()
 
 

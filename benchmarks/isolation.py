@@ -43,7 +43,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_step import P50_TARGET, P99_TARGET, Phase, ToyScheduler, pct, run_steps
+from benchmarks.engine_step import (
+    P50_TARGET,
+    P99_TARGET,
+    Phase,
+    ToyScheduler,
+    pct,
+    print_markdown_table,
+    run_steps,
+)
 from tiering.host_buffer import HostBuffer, make_shared_name
 from tiering.jobs import JobMetadata
 from tiering.keys import OffloadKey, make_offload_key
@@ -260,11 +268,7 @@ def report(phases: dict[str, Phase], moved: dict[str, list[float]]) -> None:
                 f"{'met' if b99 / a99 <= P99_TARGET else 'missed'}",
             )
         )
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for line in lines:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+    print_markdown_table(header, lines)
 
 
 if __name__ == "__main__":
