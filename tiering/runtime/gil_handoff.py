@@ -70,6 +70,10 @@ class HandoffSelector(selectors.BaseSelector):
         self.handoffs = 0
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        # Wall time since the loop last let go, not the loop thread's CPU time: what a
+        # waiting thread feels is wall time, whoever held the GIL meanwhile. (A CPU-time
+        # budget was tried: it lost the whole gain on Redis, scheduler wake p99 2.9-3.6 ms
+        # against 1.4-1.9 ms, benchmarks/engine_step.py --pin on.)
         started = self._clock()
         # Before any poll, blocking or not: a poll that may block often returns at once
         # (I/O already ready), so a loop busy with I/O callbacks never polls with 0.
