@@ -35,7 +35,7 @@ from tiering.copy import (
     make_copy_worker,
     required_cpu_block_bytes,
 )
-from tiering.copy.plan import BlockCopies
+from tiering.copy.plan import TransferPlan, plan_transfer
 from tiering.errors import ContractError, TierClosedError
 from tiering.host_buffer import HostBuffer
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -465,14 +465,10 @@ def test_a_tensor_error_mid_job_fails_the_job_and_the_lane_goes_on(rigs: list[Ri
 
 
 class FailingEngine(HostCopyEngine):
-    """Fails on the given tensor, after the tensors before it were copied."""
+    """Fails while building a job's region table."""
 
-    fail_tensor = 1
-
-    def regions_of(self, entry: BlockCopies, gpu_to_cpu: bool) -> Any:
-        if entry.tensor_idx == self.fail_tensor:
-            raise OSError("injected copy failure")
-        return super().regions_of(entry, gpu_to_cpu)
+    def region_table(self, plan: TransferPlan) -> Any:
+        raise OSError("injected copy failure")
 
 
 def _layout(pages: list[int], gpu_blocks: int, cpu_blocks: int) -> KVLayout:
@@ -500,6 +496,123 @@ def test_an_injected_failure_is_reported_once_with_its_reason() -> None:
             assert worker.get_finished() == []
         finally:
             worker.shutdown()
+
+
+# -- the region table ------------------------------------------------------------------
+
+
+def _canonical_runs(src: Any, dst: Any, lengths: Any) -> list[tuple[int, int, int]]:
+    """Regions sorted and merged where both sides continue: one form for one set of copies."""
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in sorted(zip(map(int, src), map(int, dst), map(int, lengths), strict=True)):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    factor=st.sampled_from([1, 2, 4]),
+    pages=st.lists(st.sampled_from([256, 512, 1024]), min_size=1, max_size=4),
+    interleaved=st.booleans(),
+)
+def test_the_region_table_is_every_block_copy_in_source_order(
+    data: st.DataObject, factor: int, pages: list[int], interleaved: bool
+) -> None:
+    """Whichever way it is laid out (tensor by tensor, run by run, or sorted), the table
+    moves exactly the oracle's bytes, with sources ascending."""
+    num_tensors = len(pages)
+    if interleaved:  # one packed array (blocks, tensors, page): every tensor's rows are strided
+        pages = [pages[0]] * num_tensors
+        packed = np.zeros((48, num_tensors, pages[0]), np.uint8)
+        gpu = [packed[:, t, :] for t in range(num_tensors)]
+    else:
+        gpu = [np.zeros((48, p), np.uint8) for p in pages]
+    group = [(t, data.draw(st.sampled_from([pages[t], pages[t] // 2]))) for t in range(num_tensors)]
+    groups: Groups = [group, group[: data.draw(st.integers(1, num_tensors))]]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, p) for t, p in zip(gpu, pages, strict=True)],
+        [[CanonicalKVCacheRef(t, n) for t, n in g] for g in groups],
+    )
+    with HostBuffer.create(40, required_cpu_block_bytes(pages, factor)) as host:
+        worker = make_copy_worker(kv, host, block_size_factor=factor)
+        try:
+            engine = worker.engine
+            assert isinstance(engine, HostCopyEngine)
+            sizes = data.draw(st.lists(st.integers(0, 10), min_size=2, max_size=2))
+            indices = data.draw(st.lists(st.integers(0, 9), min_size=2, max_size=2))
+            # In order as well as shuffled: ordered ids make runs of adjacent blocks.
+            gpu_ids = list(data.draw(st.permutations(range(48)) | st.just(range(48))))[: sum(sizes)]
+            cpu_ids = list(data.draw(st.permutations(range(40)) | st.just(range(40))))[
+                : cpu_blocks_needed(sizes, indices, factor)
+            ]
+            spec = GPULoadStoreSpec(gpu_ids, group_sizes=sizes, block_indices=indices)
+            host_base = int(host.as_numpy().ctypes.data)
+            layout = engine.layout
+            for lane in (Lane.STORE, Lane.LOAD):
+                plan = plan_transfer(layout, spec, CPULoadStoreSpec(cpu_ids), lane)
+                src, dst, lengths = engine.region_table(plan)
+                assert bool((src[1:] >= src[:-1]).all()), "regions not in source order"
+                expected = []
+                for t, gpu_block, cpu_block, sub, nbytes in expected_copies(
+                    layout, split_groups(gpu_ids, sizes), indices, cpu_ids
+                ):
+                    gpu_addr = int(gpu[t].ctypes.data) + gpu_block * gpu[t].strides[0]
+                    cpu_addr = (
+                        host_base
+                        + cpu_block * layout.cpu_block_bytes
+                        + layout.cpu_slot_offsets[t]
+                        + sub * layout.gpu_page_bytes[t]
+                    )
+                    pair = (gpu_addr, cpu_addr) if lane is Lane.STORE else (cpu_addr, gpu_addr)
+                    expected.append((*pair, nbytes))
+                want = [[s for s, _, _ in expected], [d for _, d, _ in expected]]
+                want_runs = _canonical_runs(*want, [n for _, _, n in expected])
+                assert _canonical_runs(src, dst, lengths) == want_runs
+        finally:
+            worker.shutdown(timeout=10)
+
+
+def test_a_load_table_run_by_run_keeps_each_runs_length() -> None:
+    """Loads of two tensors, factor 2, from request block 1: runs of one and two sub-blocks."""
+    pages = [256, 256]
+    gpu = [np.zeros((8, p), np.uint8) for p in pages]
+    kv = CanonicalKVCaches(
+        [CanonicalKVCacheTensor(t, p) for t, p in zip(gpu, pages, strict=True)],
+        [[CanonicalKVCacheRef(0, 256), CanonicalKVCacheRef(1, 256)]],
+    )
+    with HostBuffer.create(4, required_cpu_block_bytes(pages, 2)) as host:
+        worker = make_copy_worker(kv, host, block_size_factor=2)
+        try:
+            engine = worker.engine
+            assert isinstance(engine, HostCopyEngine)
+            spec = GPULoadStoreSpec(list(range(5)), block_indices=[1])
+            plan = plan_transfer(engine.layout, spec, CPULoadStoreSpec([0, 1, 2]), Lane.LOAD)
+            src, dst, lengths = engine.region_table(plan)
+            block, slot = engine.layout.cpu_block_bytes, engine.layout.cpu_slot_offsets[1]
+            base = int(host.as_numpy().ctypes.data)
+            assert (src - base).tolist() == [
+                256,
+                slot + 256,
+                block,
+                block + slot,
+                2 * block,
+                2 * block + slot,
+            ]
+            assert lengths.tolist() == [256, 256, 512, 512, 512, 512]
+            assert (dst - [gpu[t].ctypes.data for t in (0, 1, 0, 1, 0, 1)]).tolist() == [
+                0,
+                0,
+                256,
+                256,
+                768,
+                768,
+            ]
+        finally:
+            worker.shutdown(timeout=10)
 
 
 # -- shutdown and waiting -----------------------------------------------------------------
