@@ -48,6 +48,8 @@ import heapq
 import logging
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -73,6 +75,22 @@ from tiering.runtime.facade import DEFAULT_MAX_GIL_HOLD_MS
 KIB = 1024
 MIB = 1024 * KIB
 TIERS = ("memory", "fs-threads", "fs-uring", "redis")
+#: Control rows: another process busy on the other CPU, doing no tiering at all.
+#: What any tier that keeps a CPU busy costs the scheduler on this machine (the
+#: floor under the tier rows): ``spin`` keeps a core busy with a pure-Python loop
+#: (the core's scheduling and frequency, no memory traffic), ``copy`` copies 64 MiB
+#: over and over with numpy (memory bandwidth and the shared cache, as a tier
+#: moving bytes at full speed does).
+NEIGHBOURS = {
+    "spin": "x = 0\nwhile True:\n    x += 1\n",
+    "copy": (
+        "import numpy as np\n"
+        "a = np.ones(64 << 20, np.uint8)\n"
+        "b = np.empty_like(a)\n"
+        "while True:\n"
+        "    np.copyto(b, a)\n"
+    ),
+}
 P50_TARGET = 1.10
 P99_TARGET = 1.25
 
@@ -545,6 +563,40 @@ def bench_tier(
     return row
 
 
+def bench_neighbour(kind: str, args: argparse.Namespace, pinned: bool = False) -> TierRow:
+    """Steps alone and beside another process running ``NEIGHBOURS[kind]``, in rounds.
+
+    The process is stopped (SIGSTOP) during the alone rounds and continued
+    during the others, so both see the same machine minutes apart at most.
+    """
+    row = TierRow(
+        f"control: a {kind} process" + (" (pinned)" if pinned else ""),
+        "another process on the other CPU: "
+        + ("a pure-Python loop" if kind == "spin" else "numpy copying 64 MiB in a loop"),
+        placement="control",
+    )
+    cpus = args.cpus
+    os.sched_setaffinity(0, {cpus[0]} if pinned else cpus)
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[kind]])
+    try:
+        if pinned:
+            pin_process(neighbour.pid, frozenset(cpus[1:]))
+        time.sleep(0.3)  # started, its arrays allocated
+        os.kill(neighbour.pid, signal.SIGSTOP)
+        scheduler = ToyScheduler(args.running)
+        run_steps(scheduler, 0.2, None, Phase())
+        slice_s, forward_s = args.seconds / args.rounds / 2, args.forward_ms / 1e3
+        for _ in range(args.rounds):
+            run_steps(scheduler, slice_s, None, row.alone, forward_s)
+            os.kill(neighbour.pid, signal.SIGCONT)
+            run_steps(scheduler, slice_s, None, row.busy, forward_s)
+            os.kill(neighbour.pid, signal.SIGSTOP)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    return row
+
+
 def print_markdown_table(header: tuple[str, ...], lines: Sequence[tuple[str, ...]]) -> None:
     """A Markdown table, columns padded to their widest cell (pastes into notes as is)."""
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
@@ -611,12 +663,18 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 f"{r99:.2f}x",
                 _wall(row.busy),
                 _wake(row.busy),
-                f"{row.blocks_per_s:,.0f}",
-                f"{row.loop_cpu_us_per_block:.1f}",
+                f"{row.blocks_per_s:,.0f}" if row.placement != "control" else "-",
+                f"{row.loop_cpu_us_per_block:.1f}" if row.placement != "control" else "-",
                 "met" if r50 <= P50_TARGET else "missed",
                 "met" if r99 <= P99_TARGET else "missed",
             )
         )
+        if row.placement == "control":
+            notes.append(
+                f"- {row.tier}: {row.description}; {len(row.busy.schedule_s)} steps beside it, "
+                f"{len(row.alone.schedule_s)} alone"
+            )
+            continue
         notes.append(
             f"- {row.tier}: {row.description}; {len(row.busy.schedule_s)} steps with the tier, "
             f"{len(row.alone.schedule_s)} alone; failed store jobs: {row.failures}"
@@ -645,6 +703,15 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS)
+    parser.add_argument(
+        "--controls",
+        nargs="*",
+        default=list(NEIGHBOURS),
+        choices=list(NEIGHBOURS),
+        help="control rows first: another process busy on the other CPU with no tier at all "
+        "(spin: a pure-Python loop; copy: numpy copying 64 MiB in a loop), the machine's "
+        "floor under the tier rows (default both; none with an empty list)",
+    )
     parser.add_argument("--quick", action="store_true", help="short phases (checks the script)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per tier")
     parser.add_argument("--rounds", type=int, default=4, help="alone/with-tier alternations")
@@ -720,6 +787,9 @@ def main(argv: list[str] | None = None) -> None:
         placements = ("thread", "process") if args.isolation == "both" else (args.isolation,)
         pinnings = {"off": (False,), "on": (True,), "both": (False, True)}[args.pin]
         rows = [
+            bench_neighbour(kind, args, pinned) for kind in args.controls for pinned in pinnings
+        ]
+        rows += [
             bench_tier(kind, args, Path(tmp), placement, pinned, gil_hold_ms)
             for kind in args.tiers
             for placement in placements
