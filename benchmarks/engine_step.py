@@ -35,8 +35,11 @@ cannot run here (io_uring unavailable, no redis-server) is skipped with the
 reason. ``--pin on|both`` also runs rows with the scheduler thread on one CPU
 and the tier on the others (the runtime's ``cpus`` option; ``docs/runtime.md``,
 "Pinning"), and ``--gil-hold-ms 1 0.25 off`` a row per value of the runtime's
-``max_gil_hold_ms`` (``off``: no GIL hand-offs). Figures of a shared machine are
-noisy: compare within one run.
+``max_gil_hold_ms`` (``off``: no GIL hand-offs). Control rows come first
+(``--controls spin copy``, the default): the same steps beside another process
+on the other CPU that does no tiering (a pure-Python loop; numpy copying 64 MiB
+over and over), the machine's own floor under the tier rows. Figures of a
+shared machine are noisy: compare within one run.
 """
 
 from __future__ import annotations
