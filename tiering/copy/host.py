@@ -192,29 +192,22 @@ def _laid_out(
     tensors, runs = src_base.size, starts_s.size
     base_gaps = np.diff(src_base)
     reach = int((starts_s + lengths).max()) - int(starts_s[0]) if runs else 0
-    if runs == 0 or bool((base_gaps >= reach).all()):
-        return _RegionTable(
-            (src_base[:, None] + starts_s[None, :]).ravel(),
-            (dst_base[:, None] + starts_d[None, :]).ravel(),
-            np.tile(lengths, tensors),
-            in_source_order=True,
-        )
-    longest = int(lengths.max())
-    spread = int(src_base[-1] - src_base[0])
-    run_gaps = starts_s[1:] - starts_s[:-1] - lengths[:-1]
-    run_major = bool((base_gaps >= longest).all()) and bool((run_gaps >= spread).all())
-    if run_major:
-        return _RegionTable(
-            (starts_s[:, None] + src_base[None, :]).ravel(),
-            (starts_d[:, None] + dst_base[None, :]).ravel(),
-            np.repeat(lengths, tensors),
-            in_source_order=True,
-        )
+    tensor_major = runs == 0 or bool((base_gaps >= reach).all())
+    if not tensor_major:
+        spread = int(src_base[-1] - src_base[0])
+        run_gaps = starts_s[1:] - starts_s[:-1] - lengths[:-1]
+        if bool((base_gaps >= int(lengths.max())).all()) and bool((run_gaps >= spread).all()):
+            return _RegionTable(
+                (starts_s[:, None] + src_base[None, :]).ravel(),
+                (starts_d[:, None] + dst_base[None, :]).ravel(),
+                np.repeat(lengths, tensors),
+                in_source_order=True,
+            )
     return _RegionTable(
         (src_base[:, None] + starts_s[None, :]).ravel(),
         (dst_base[:, None] + starts_d[None, :]).ravel(),
         np.tile(lengths, tensors),
-        in_source_order=False,
+        in_source_order=tensor_major,
     )
 
 

@@ -45,6 +45,7 @@ from tiering.runtime.facade import (
     Presence,
     check_runtime_options,
 )
+from tiering.runtime.gil_handoff import hold_seconds
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters
 from tiering.tier import AsyncTier
@@ -162,7 +163,7 @@ class IsolatedTierManager(AsyncTierManager):
             max_events=max_events,
             verify=verify,
             cpus=self.cpus,
-            max_gil_hold_s=None if max_gil_hold_ms is None else max_gil_hold_ms / 1e3,
+            max_gil_hold_s=hold_seconds(max_gil_hold_ms),
         )
         self._process = context.Process(
             target=serve,

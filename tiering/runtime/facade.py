@@ -30,7 +30,7 @@ from tiering.errors import ConfigError, ContractError, TierClosedError
 from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
 from tiering.keys import OffloadKey, ReqContext
 from tiering.runtime.affinity import check_cpus, pin_current_thread
-from tiering.runtime.gil_handoff import DEFAULT_MAX_GIL_HOLD_S
+from tiering.runtime.gil_handoff import DEFAULT_MAX_GIL_HOLD_S, hold_seconds
 from tiering.runtime.loop_thread import LoopThread
 from tiering.runtime.mailbox import Mailbox
 from tiering.runtime.service import TierService, _Job
@@ -142,9 +142,7 @@ class AsyncTierManager(SecondaryTierManager):
         self._init_scheduler_side(
             primary_kv_view, block_bytes, job_timeout_s, shutdown_timeout_s, failed_load_backoff_s
         )
-        self._thread = LoopThread(
-            f"tier-{self.name}", None if max_gil_hold_ms is None else max_gil_hold_ms / 1e3
-        )
+        self._thread = LoopThread(f"tier-{self.name}", hold_seconds(max_gil_hold_ms))
         self._service = TierService(
             tier,
             name=self.name,

@@ -107,6 +107,11 @@ class HandoffSelector(selectors.BaseSelector):
         self._inner.close()
 
 
+def hold_seconds(max_gil_hold_ms: float | None) -> float | None:
+    """The managers' ``max_gil_hold_ms`` option in seconds (``None``, off, stays ``None``)."""
+    return None if max_gil_hold_ms is None else max_gil_hold_ms / 1e3
+
+
 def handoff_loop_factory(max_hold_s: float | None) -> Callable[[], asyncio.AbstractEventLoop]:
     """An event-loop factory: a loop over a :class:`HandoffSelector`, or plain (``None``)."""
     if max_hold_s is None:
