@@ -1,9 +1,11 @@
 """The primary tier's host buffer: one page-aligned region of ``num_blocks x block_bytes``.
 
-The region is either an anonymous mapping (private to this process and its
-forks) or a named POSIX shared-memory object under ``/dev/shm``, which a GPU
-worker process attaches to by name to copy blocks into and out of the same
-bytes. Either way the mapping starts on a page boundary, so with
+The region is either an anonymous mapping (private to this process: a fork
+does not inherit it) or a named POSIX shared-memory object under
+``/dev/shm``, which a GPU worker process attaches to by name to copy blocks
+into and out of the same bytes. Both ask for huge pages; where the kernel's
+settings refuse them the creation logs why, once per process (see
+:mod:`tiering.mappings`). Either way the mapping starts on a page boundary, so with
 ``block_bytes`` a multiple of 4096 every row is aligned for ``O_DIRECT``.
 
 Views (``view``, ``row``, ``as_numpy``, ``as_torch``) never copy. They stay
@@ -14,6 +16,7 @@ last view still held elsewhere is released.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import re
@@ -25,6 +28,12 @@ import numpy as np
 import numpy.typing as npt
 
 from tiering.errors import ConfigError
+from tiering.mappings import (
+    HUGE_PAGE_BYTES,
+    advise_huge_pages,
+    huge_pages_refused,
+    private_anonymous,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +42,7 @@ if TYPE_CHECKING:
 DIRECT_IO_ALIGNMENT = 4096
 
 SHM_DIR = "/dev/shm"
+logger = logging.getLogger("tiering.host_buffer")
 _SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
@@ -128,7 +138,8 @@ class HostBuffer(BlockGeometry):
         With ``shared_name`` the buffer is the POSIX shared-memory object
         ``/dev/shm/<shared_name>`` (which must not exist yet), fully reserved
         up front so running out of shared memory fails here, not later with a
-        SIGBUS on first touch. Without it the mapping is anonymous.
+        SIGBUS on first touch. Without it the mapping is private anonymous memory
+        (huge pages where the kernel allows; a fork does not inherit it).
         ``require_alignment`` (the default) demands ``block_bytes`` be a
         multiple of 4096 so every row is usable with ``O_DIRECT``.
 
@@ -139,8 +150,8 @@ class HostBuffer(BlockGeometry):
         validate_geometry(num_blocks, block_bytes, require_alignment)
         size = num_blocks * block_bytes
         if shared_name is None:
-            mapping = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
-            _advise_hugepages(mapping)
+            mapping = private_anonymous(size)
+            _log_small_pages(shared=False, size=size)
             return cls(mapping, num_blocks, block_bytes, name=None, owner=True)
         path = os.path.join(SHM_DIR, _validate_name(shared_name))
         try:
@@ -166,7 +177,8 @@ class HostBuffer(BlockGeometry):
                 os.unlink(path)
             raise
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
-        _advise_hugepages(mapping)
+        advise_huge_pages(mapping)
+        _log_small_pages(shared=True, size=size)
         return cls(mapping, num_blocks, block_bytes, name=shared_name, owner=True)
 
     @classmethod
@@ -194,6 +206,7 @@ class HostBuffer(BlockGeometry):
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        advise_huge_pages(mapping)
         return cls(mapping, num_blocks, block_bytes, name=name, owner=False)
 
     # -- geometry and views -------------------------------------------------------------
@@ -312,8 +325,15 @@ class HostBuffer(BlockGeometry):
         return f"HostBuffer({kind}, {self._num_blocks} x {self._block_bytes} bytes{state})"
 
 
-def _advise_hugepages(mapping: mmap.mmap) -> None:
-    # Fewer TLB misses on multi-GiB buffers; the kernel may ignore it.
-    if len(mapping) >= 2 * 1024 * 1024 and hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            mapping.madvise(mmap.MADV_HUGEPAGE)
+_small_pages_logged: set[bool] = set()
+
+
+def _log_small_pages(shared: bool, size: int) -> None:
+    """Say once per process and kind why host buffers get no huge pages (an operator can fix it)."""
+    if shared in _small_pages_logged or size < HUGE_PAGE_BYTES:
+        return
+    reason = huge_pages_refused(shared)
+    if reason is not None:
+        _small_pages_logged.add(shared)
+        kind = "shared" if shared else "anonymous"
+        logger.info("%s host buffers are in 4 KiB pages: %s", kind, reason)

@@ -31,6 +31,7 @@ import numpy as np
 from tiering.copy.bulk import address_of, copy_regions
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
+from tiering.mappings import private_anonymous
 from tiering.policies import EvictionPolicy, PolicyChoice, resolve_policy
 from tiering.tier import AsyncTier, TierContext
 
@@ -357,11 +358,12 @@ class _HeapStore(_CopyQueue):
 
 
 class _ArenaStore(_CopyQueue):
-    """Bounded: ``capacity`` fixed slots of one anonymous mapping, reused after eviction."""
+    """Bounded: ``capacity`` fixed slots of one private anonymous mapping (huge pages where
+    allowed), reused after eviction."""
 
     def __init__(self, capacity: int, block_bytes: int) -> None:
         super().__init__(block_bytes)
-        self._map: mmap.mmap | None = mmap.mmap(-1, capacity * block_bytes)
+        self._map: mmap.mmap | None = private_anonymous(capacity * block_bytes)
         self._arena: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
             self._map, dtype=np.uint8
         )
