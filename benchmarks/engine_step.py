@@ -36,9 +36,10 @@ reason. ``--pin on|both`` also runs rows with the scheduler thread on one CPU
 and the tier on the others (the runtime's ``cpus`` option; ``docs/runtime.md``,
 "Pinning"), and ``--gil-hold-ms 1 0.25 off`` a row per value of the runtime's
 ``max_gil_hold_ms`` (``off``: no GIL hand-offs). Control rows come first
-(``--controls spin copy``, the default): the same steps beside another process
-on the other CPU that does no tiering (a pure-Python loop; numpy copying 64 MiB
-over and over), the machine's own floor under the tier rows. Figures of a
+(``--controls spin copy scatter``, the default): the same steps beside another
+process on the other CPU that does no tiering (a pure-Python loop; numpy copying
+64 MiB over and over; random 256 KiB regions copied as a tier copies its
+blocks), the machine's own floor under the tier rows. Figures of a
 shared machine are noisy: compare within one run.
 """
 
@@ -83,16 +84,50 @@ TIERS = ("memory", "fs-threads", "fs-uring", "redis")
 #: floor under the tier rows): ``spin`` keeps a core busy with a pure-Python loop
 #: (the core's scheduling and frequency, no memory traffic), ``copy`` copies 64 MiB
 #: over and over with numpy (memory bandwidth and the shared cache, as a tier
-#: moving bytes at full speed does).
+#: moving bytes at full speed does), ``scatter`` copies 16 regions of 256 KiB at
+#: random places of a 64 MiB pool into a 256 MiB one per call, through the
+#: library's own bulk copy (the access pattern of a tier's blocks). Each counts
+#: the bytes it copied and prints the count when stopped with SIGTERM.
+_NEIGHBOUR_COUNTS = (
+    "import signal, sys\n"
+    "moved = 0\n"
+    "def report(*_):\n"
+    "    print(moved, flush=True)\n"
+    "    sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, report)\n"
+)
 NEIGHBOURS = {
-    "spin": "x = 0\nwhile True:\n    x += 1\n",
-    "copy": (
+    "spin": _NEIGHBOUR_COUNTS + "x = 0\nwhile True:\n    x += 1\n",
+    "copy": _NEIGHBOUR_COUNTS
+    + (
         "import numpy as np\n"
         "a = np.ones(64 << 20, np.uint8)\n"
         "b = np.empty_like(a)\n"
         "while True:\n"
         "    np.copyto(b, a)\n"
+        "    moved += a.nbytes\n"
     ),
+    "scatter": _NEIGHBOUR_COUNTS
+    + (
+        "import numpy as np\n"
+        "from tiering.copy.bulk import copy_regions\n"
+        "from tiering.mappings import private_anonymous\n"
+        "region = 256 << 10\n"
+        "pools = [np.frombuffer(private_anonymous(n << 20), np.uint8) for n in (64, 256)]\n"
+        "for pool in pools:\n"
+        "    pool[:] = 1\n"
+        "src, dst = (int(pool.ctypes.data) for pool in pools)\n"
+        "rng = np.random.default_rng(0)\n"
+        "while True:\n"
+        "    copy_regions(src + rng.integers(0, 256, 16) * region,\n"
+        "                 dst + rng.integers(0, 1024, 16) * region, region)\n"
+        "    moved += 16 * region\n"
+    ),
+}
+NEIGHBOUR_WORK = {
+    "spin": "a pure-Python loop",
+    "copy": "numpy copying 64 MiB in a loop",
+    "scatter": "the native bulk copy of 16 random 256 KiB regions in a loop",
 }
 P50_TARGET = 1.10
 P99_TARGET = 1.25
@@ -574,26 +609,36 @@ def bench_neighbour(kind: str, args: argparse.Namespace, pinned: bool = False) -
     """
     row = TierRow(
         f"control: a {kind} process" + (" (pinned)" if pinned else ""),
-        "another process on the other CPU: "
-        + ("a pure-Python loop" if kind == "spin" else "numpy copying 64 MiB in a loop"),
+        "another process on the other CPU: " + NEIGHBOUR_WORK[kind],
         placement="control",
     )
     cpus = args.cpus
     os.sched_setaffinity(0, {cpus[0]} if pinned else cpus)
-    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOURS[kind]])
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOURS[kind]], stdout=subprocess.PIPE, text=True
+    )
+    busy_s = 0.0
     try:
         if pinned:
             pin_process(neighbour.pid, frozenset(cpus[1:]))
-        time.sleep(0.3)  # started, its arrays allocated
+        time.sleep(0.5)  # started, its arrays allocated
         os.kill(neighbour.pid, signal.SIGSTOP)
         scheduler = ToyScheduler(args.running)
         run_steps(scheduler, 0.2, None, Phase())
         slice_s, forward_s = args.seconds / args.rounds / 2, args.forward_ms / 1e3
         for _ in range(args.rounds):
             run_steps(scheduler, slice_s, None, row.alone, forward_s)
+            started = time.perf_counter()
             os.kill(neighbour.pid, signal.SIGCONT)
             run_steps(scheduler, slice_s, None, row.busy, forward_s)
             os.kill(neighbour.pid, signal.SIGSTOP)
+            busy_s += time.perf_counter() - started
+        os.kill(neighbour.pid, signal.SIGTERM)
+        os.kill(neighbour.pid, signal.SIGCONT)
+        out, _ = neighbour.communicate(timeout=30)
+        moved = int(out.split()[-1]) if out.split() else 0
+        if moved:
+            row.description += f", {moved / busy_s / 1e9:.1f} GB/s copied"
     finally:
         neighbour.kill()
         neighbour.wait()
@@ -712,8 +757,9 @@ def main(argv: list[str] | None = None) -> None:
         default=list(NEIGHBOURS),
         choices=list(NEIGHBOURS),
         help="control rows first: another process busy on the other CPU with no tier at all "
-        "(spin: a pure-Python loop; copy: numpy copying 64 MiB in a loop), the machine's "
-        "floor under the tier rows (default both; none with an empty list)",
+        "(spin: a pure-Python loop; copy: numpy copying 64 MiB in a loop; scatter: random "
+        "256 KiB regions copied as a tier copies blocks), the machine's floor under the tier "
+        "rows (default all three; none with an empty list)",
     )
     parser.add_argument("--quick", action="store_true", help="short phases (checks the script)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per tier")

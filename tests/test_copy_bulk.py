@@ -339,6 +339,54 @@ def test_large_tables_stream_exact_bytes(length: int, misalign: int) -> None:
 
 
 @native_only
+@pytest.mark.parametrize("length", [64 << 10, (64 << 10) + 1, (64 << 10) + 63, 200_003])
+@pytest.mark.parametrize(("src_misalign", "dst_misalign"), [(0, 0), (1, 0), (0, 1), (63, 17)])
+def test_large_regions_stream_exact_bytes_in_a_small_call(
+    length: int, src_misalign: int, dst_misalign: int
+) -> None:
+    """Regions of 64 KiB or more are streamed, their source lines flushed, in any call:
+    every byte arrives, nothing around the destination changes, the source is intact."""
+    rng = np.random.default_rng(length + src_misalign * 7 + dst_misalign)
+    src = rng.integers(0, 256, 3 * length + 128, dtype=np.uint8)
+    before = src.copy()
+    dst = np.zeros(3 * length + 128, dtype=np.uint8)
+    starts = np.array([2, 0, 1], dtype=np.uint64) * np.uint64(length)
+    bulk._reset_for_tests("native")
+    try:
+        bulk.copy_regions(
+            _addr(src) + src_misalign + starts,
+            _addr(dst) + dst_misalign + np.arange(3, dtype=np.uint64) * np.uint64(length),
+            length,
+        )
+    finally:
+        bulk._reset_for_tests(None)
+    copied = dst[dst_misalign : dst_misalign + 3 * length].reshape(3, length)
+    sources = src[src_misalign : src_misalign + 3 * length].reshape(3, length)
+    assert np.array_equal(copied, sources[[2, 0, 1]])
+    assert not dst[:dst_misalign].any() and not dst[dst_misalign + 3 * length :].any()
+    assert np.array_equal(src, before)
+
+
+@native_only
+def test_the_extension_flushes_source_lines_as_this_cpu_allows() -> None:
+    """CLFLUSHOPT where CPUID has it, else CLFLUSH (every x86-64 CPU); none elsewhere."""
+    from tiering.copy import _bulkcopy
+
+    machine = sysconfig.get_platform()
+    reported = _bulkcopy.SOURCE_FLUSH
+    if not machine.endswith("x86_64"):
+        assert reported == "none"
+        return
+    flags = {
+        flag
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("flags")
+        for flag in line.split(":", 1)[1].split()
+    }
+    assert reported == ("clflushopt" if "clflushopt" in flags else "clflush")
+
+
+@native_only
 def test_a_region_copied_onto_itself_in_a_large_table_is_unchanged() -> None:
     size = 5 << 20
     buf = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)

@@ -92,6 +92,10 @@ dst = numpy.zeros_like(src)
 starts = numpy.arange(640, dtype=numpy.uint64) * numpy.uint64(8192)
 bulk.copy_regions(src.ctypes.data + starts[::-1], dst.ctypes.data + starts, 8192)
 assert (dst.reshape(640, 8192) == src.reshape(640, 8192)[::-1]).all()
+# ...and a region of 64 KiB or more in a small call: streamed, its source lines flushed.
+dst[:] = 0
+bulk.copy_regions([src.ctypes.data + 1], [dst.ctypes.data + 3], 200_003)
+assert (dst[3:200_006] == src[1:200_004]).all() and not dst[200_006:].any()
 print("bulk copies:", bulk.active_mode())
 figure = plt.figure(); figure.gca().plot([1, 2]); figure.savefig(__import__("io").BytesIO())
 print("extras ok")

@@ -9,3 +9,7 @@ def copy_regions(
     release_gil_from_bytes: int,
     /,
 ) -> None: ...
+
+#: How regions of 64 KiB or more evict their source lines once read:
+#: "clflushopt", "clflush" (x86-64 without CLFLUSHOPT) or "none" (other CPUs).
+SOURCE_FLUSH: str
