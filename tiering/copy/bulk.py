@@ -7,9 +7,12 @@ address, length). Three ways, chosen once per process:
   extension :mod:`tiering.copy._bulkcopy`, which copies every region with the
   GIL released once for the whole table (held for tables under
   :data:`HOLD_GIL_MAX_BYTES`, where the hand-over costs more than the copies).
-  It prefetches a few regions ahead and, for tables of 4 MiB or more, writes
-  with non-temporal stores: regions of a few KiB at scattered addresses are
-  bound by memory latency, not by the interpreter. Measured on these machines,
+  It prefetches a few regions ahead and writes with non-temporal stores for
+  tables of 4 MiB or more and for regions of 64 KiB or more (the latter also
+  flush their source lines from the caches once read, so a copy does not
+  evict what other cores keep there: ``docs/copy-engine.md``). Regions of a
+  few KiB at scattered addresses are bound by memory latency, not by the
+  interpreter. Measured on these machines,
   % of one large memcpy, 8 x 8 KiB layers of random blocks: ctypes loop
   22-31 %, one C memmove loop 54-63 %, with prefetching and streaming stores
   84-93 % (``benchmarks/copy_engine.py``). One GIL hand-over per call also
