@@ -98,37 +98,44 @@ def test_no_settings_to_read_is_not_a_refusal(tmp_path: Path) -> None:
     assert huge_pages_refused(False, thp_dir=tmp_path) is None
 
 
-def test_the_host_buffer_logs_once_why_it_has_no_huge_pages(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    (tmp_path / "enabled").write_text("always madvise [never]\n")
+@pytest.fixture
+def thp_enabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in ``enabled`` setting the host buffer reads, and a fresh log-once memory."""
+    setting = tmp_path / "enabled"
     monkeypatch.setattr(
         host_buffer, "huge_pages_refused", lambda shared: huge_pages_refused(shared, tmp_path)
     )
     monkeypatch.setattr(host_buffer, "_small_pages_logged", set())
+    return setting
+
+
+def host_buffer_log(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tiering.host_buffer"]
+
+
+def test_the_host_buffer_logs_once_why_it_has_no_huge_pages(
+    thp_enabled: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    thp_enabled.write_text("always madvise [never]\n")
     with caplog.at_level(logging.INFO, logger="tiering.host_buffer"):
         for _ in range(3):
             with HostBuffer.create(2, HUGE_PAGE_BYTES):
                 pass
         with HostBuffer.create(1, 4096):  # too small to ask: nothing to say
             pass
-    lines = [r.getMessage() for r in caplog.records if r.name == "tiering.host_buffer"]
+    lines = host_buffer_log(caplog)
     assert len(lines) == 1, lines
     assert "anonymous host buffers are in 4 KiB pages" in lines[0]
-    assert str(tmp_path / "enabled") in lines[0]
+    assert str(thp_enabled) in lines[0]
 
 
 def test_the_host_buffer_says_nothing_where_huge_pages_are_granted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    thp_enabled: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    (tmp_path / "enabled").write_text("always [madvise] never\n")
-    monkeypatch.setattr(
-        host_buffer, "huge_pages_refused", lambda shared: huge_pages_refused(shared, tmp_path)
-    )
-    monkeypatch.setattr(host_buffer, "_small_pages_logged", set())
+    thp_enabled.write_text("always [madvise] never\n")
     with (
         caplog.at_level(logging.INFO, logger="tiering.host_buffer"),
         HostBuffer.create(2, HUGE_PAGE_BYTES),
     ):
         pass
-    assert not [r for r in caplog.records if r.name == "tiering.host_buffer"]
+    assert not host_buffer_log(caplog)
