@@ -684,6 +684,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         if row.skipped:
             notes.append(f"- {row.tier}: skipped: {row.skipped}")
             continue
+        control = row.placement == "control"
         a50, a99 = pct(row.alone.schedule_s, 50), pct(row.alone.schedule_s, 99)
         b50, b99 = pct(row.busy.schedule_s, 50), pct(row.busy.schedule_s, 99)
         r50, r99 = b50 / a50, b99 / a99
@@ -711,13 +712,13 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 f"{r99:.2f}x",
                 _wall(row.busy),
                 _wake(row.busy),
-                f"{row.blocks_per_s:,.0f}" if row.placement != "control" else "-",
-                f"{row.loop_cpu_us_per_block:.1f}" if row.placement != "control" else "-",
+                "-" if control else f"{row.blocks_per_s:,.0f}",
+                "-" if control else f"{row.loop_cpu_us_per_block:.1f}",
                 "met" if r50 <= P50_TARGET else "missed",
                 "met" if r99 <= P99_TARGET else "missed",
             )
         )
-        if row.placement == "control":
+        if control:
             notes.append(
                 f"- {row.tier}: {row.description}; {len(row.busy.schedule_s)} steps beside it, "
                 f"{len(row.alone.schedule_s)} alone"
@@ -756,10 +757,9 @@ def main(argv: list[str] | None = None) -> None:
         nargs="*",
         default=list(NEIGHBOURS),
         choices=list(NEIGHBOURS),
-        help="control rows first: another process busy on the other CPU with no tier at all "
-        "(spin: a pure-Python loop; copy: numpy copying 64 MiB in a loop; scatter: random "
-        "256 KiB regions copied as a tier copies blocks), the machine's floor under the tier "
-        "rows (default all three; none with an empty list)",
+        help="control rows first: another process busy on the other CPU with no tier at all ("
+        + "; ".join(f"{kind}: {work}" for kind, work in NEIGHBOUR_WORK.items())
+        + "), the machine's floor under the tier rows (default all; none with an empty list)",
     )
     parser.add_argument("--quick", action="store_true", help="short phases (checks the script)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per tier")

@@ -2,9 +2,10 @@
 
 Copies of small regions (a model's 8 KiB layer pages) scattered over a
 buffer of many GiB take a TLB miss per 4 KiB page; in 2 MiB pages they take
-far fewer. Measured on these machines (``benchmarks/copy_engine.py``, 8 x 8
-KiB stores into the host buffer): 59-101 % of memcpy into shared memory in
-4 KiB pages, 87-91 % into anonymous memory in huge pages.
+far fewer. Measured on these machines (the table of ``benchmarks/copy_engine.py``'s
+8 x 8 KiB stores, copied by the bulk copy alone, interleaved): 82-84 % of
+memcpy into shared memory in 4 KiB pages, 91-94 % into private memory in huge
+pages.
 
 Linux grants huge pages to a mapping only under its transparent-huge-page
 settings: anonymous private memory under

@@ -64,7 +64,8 @@
 #define PREFETCH_AHEAD 4
 #define PREFETCH_MAX_BYTES (16u << 10)
 
-/* How large calls evict the source lines they have read: chosen once, at import. */
+/* How regions of LARGE_REGION_BYTES or more evict the source lines they have read:
+ * chosen once, at import. */
 enum source_flush { FLUSH_NONE, FLUSH_CLFLUSH, FLUSH_CLFLUSHOPT };
 static enum source_flush source_flush = FLUSH_NONE;
 static const char *const source_flush_names[] = {"none", "clflush", "clflushopt"};
