@@ -35,7 +35,12 @@ cannot run here (io_uring unavailable, no redis-server) is skipped with the
 reason. ``--pin on|both`` also runs rows with the scheduler thread on one CPU
 and the tier on the others (the runtime's ``cpus`` option; ``docs/runtime.md``,
 "Pinning"), and ``--gil-hold-ms 1 0.25 off`` a row per value of the runtime's
-``max_gil_hold_ms`` (``off``: no GIL hand-offs). Control rows come first
+``max_gil_hold_ms`` (``off``: no GIL hand-offs), and ``--gc-on-loop-thread on
+off`` a row per value of the runtime's ``gc_on_loop_thread`` (``off``: the
+collections the tier's allocations call for run wherever CPython starts
+them, most often in a scheduler step; ``docs/runtime.md``, "Garbage
+collections"); the "GC steps" column counts the steps in which the scheduler
+thread ran a collection. Control rows come first
 (``--controls spin copy scatter``, the default): the same steps beside another
 process on the other CPU that does no tiering (a pure-Python loop; numpy copying
 64 MiB over and over; random 256 KiB regions copied as a tier copies its
@@ -48,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import heapq
 import logging
 import os
@@ -309,13 +315,15 @@ def open_tier(
     placement: str = "thread",
     tier_cpus: frozenset[int] | None = None,
     gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
+    gc_on_loop_thread: bool = True,
 ) -> Iterator[Rig]:
     """The tier ``kind`` behind a facade over fresh primary rows (a context).
 
     ``placement``: ``thread`` (the default facade, a loop thread in this
     process) or ``process`` (:class:`~tiering.isolation.IsolatedTierManager`);
     ``tier_cpus``: the runtime's ``cpus`` option (redis-server is put there too);
-    ``gil_hold_ms``: the runtime's ``max_gil_hold_ms`` (``None``: no GIL hand-offs).
+    ``gil_hold_ms``: the runtime's ``max_gil_hold_ms`` (``None``: no GIL hand-offs);
+    ``gc_on_loop_thread``: the runtime's option of that name (loop-thread rows only).
     """
     block = args.block_kib * KIB
     rows = args.in_flight * args.blocks_per_job
@@ -378,7 +386,9 @@ def open_tier(
             manager, tier_cpu = isolated, process_cpu(isolated.pid)
             description += "; in a child process"
         else:
-            manager = AsyncTierManager(factory(), host.view, kind, **options)
+            manager = AsyncTierManager(
+                factory(), host.view, kind, gc_on_loop_thread=gc_on_loop_thread, **options
+            )
             tier_cpu = thread_cpu(manager._thread.thread)  # the tier's event-loop thread
             if kind.startswith("fs-"):
                 got = manager.tier.stats.io_backend  # type: ignore[attr-defined]
@@ -510,6 +520,31 @@ class Phase:
     #: How late the scheduler thread got going after each forward wait: the sleep's
     #: overrun, which includes waiting for the GIL held by a tier's thread.
     wake_s: list[float] = field(default_factory=list)
+    #: Steps in which the scheduler thread ran a garbage collection.
+    gc_steps: int = 0
+
+
+class SchedulerCollections:
+    """Counts the garbage collections this (the scheduler) thread runs, as a ``gc`` callback."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.count = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and threading.get_ident() == self.thread:
+            self.count += 1
+
+    def __enter__(self) -> SchedulerCollections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self)
+
+
+#: Set by ``main`` for the run (steps measured elsewhere count no collections).
+_COLLECTIONS: SchedulerCollections | None = None
 
 
 def run_steps(
@@ -522,10 +557,14 @@ def run_steps(
     """Steps back to back for ``seconds``; ``forward_s`` of GIL-free waiting after each
     (the GPU's forward pass, during which a real scheduler thread sleeps)."""
     end = time.perf_counter() + seconds
+    collections = _COLLECTIONS
     while time.perf_counter() < end:
+        before = collections.count if collections is not None else 0
         t0 = time.perf_counter()
         scheduler.step()
         t1 = time.perf_counter()
+        if collections is not None and collections.count != before:
+            into.gc_steps += 1
         if between is not None:
             between()
         into.schedule_s.append(t1 - t0)
@@ -556,6 +595,7 @@ def bench_tier(
     placement: str,
     pinned: bool = False,
     gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
+    gc_on_loop_thread: bool = True,
 ) -> TierRow:
     where = [
         w
@@ -567,6 +607,7 @@ def bench_tier(
                 f"GIL hand-off {gil_hold_ms} ms",
                 gil_hold_ms not in (None, DEFAULT_MAX_GIL_HOLD_MS),
             ),
+            ("no GC hand-off", not gc_on_loop_thread),
         )
         if on
     ]
@@ -576,7 +617,9 @@ def bench_tier(
     # This (the scheduler) thread only: on its CPU for a pinned row, back on all for the next.
     os.sched_setaffinity(0, {cpus[0]} if pinned else cpus)
     try:
-        with open_tier(kind, args, scratch, placement, tier_cpus, gil_hold_ms) as rig:
+        with open_tier(
+            kind, args, scratch, placement, tier_cpus, gil_hold_ms, gc_on_loop_thread
+        ) as rig:
             row.description = rig.description
             scheduler = ToyScheduler(args.running)
             mix = JobMix(rig.manager, args.in_flight, args.blocks_per_job, args.lookups)
@@ -664,6 +707,10 @@ def _wake(phase: Phase) -> str:
     return f"{pct(phase.wake_s, 50) * 1e6:.0f} / {pct(phase.wake_s, 99) * 1e6:.0f}"
 
 
+def _gc_steps(phase: Phase) -> str:
+    return f"{phase.gc_steps / len(phase.schedule_s):.1%}" if phase.schedule_s else "-"
+
+
 def report(rows: list[TierRow], args: argparse.Namespace) -> None:
     header = (
         "tier",
@@ -675,6 +722,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         "wake p50/p99 us",
         "blocks/s",
         "tier CPU us/block",
+        "GC steps",
         f"p50 <= {P50_TARGET:.2f}x",
         f"p99 <= {P99_TARGET:.2f}x",
     )
@@ -699,6 +747,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 _wake(row.alone),
                 "-",
                 "-",
+                _gc_steps(row.alone),
                 "",
                 "",
             )
@@ -714,6 +763,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 _wake(row.busy),
                 "-" if control else f"{row.blocks_per_s:,.0f}",
                 "-" if control else f"{row.loop_cpu_us_per_block:.1f}",
+                _gc_steps(row.busy),
                 "met" if r50 <= P50_TARGET else "missed",
                 "met" if r99 <= P99_TARGET else "missed",
             )
@@ -804,6 +854,14 @@ def main(argv: list[str] | None = None) -> None:
         f"hand-offs; default {DEFAULT_MAX_GIL_HOLD_MS:g})",
     )
     parser.add_argument(
+        "--gc-on-loop-thread",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="the runtime's gc_on_loop_thread for each loop-thread row, one row per value "
+        "(default on)",
+    )
+    parser.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
@@ -832,18 +890,23 @@ def main(argv: list[str] | None = None) -> None:
         + "Shared machines are noisy: "
         "compare within one run.\n"
     )
-    with tempfile.TemporaryDirectory(prefix="engine-step-", dir=args.scratch) as tmp:
+    global _COLLECTIONS
+    with (
+        tempfile.TemporaryDirectory(prefix="engine-step-", dir=args.scratch) as tmp,
+        SchedulerCollections() as _COLLECTIONS,
+    ):
         placements = ("thread", "process") if args.isolation == "both" else (args.isolation,)
         pinnings = {"off": (False,), "on": (True,), "both": (False, True)}[args.pin]
         rows = [
             bench_neighbour(kind, args, pinned) for kind in args.controls for pinned in pinnings
         ]
         rows += [
-            bench_tier(kind, args, Path(tmp), placement, pinned, gil_hold_ms)
+            bench_tier(kind, args, Path(tmp), placement, pinned, gil_hold_ms, gc_here == "on")
             for kind in args.tiers
             for placement in placements
             for pinned in pinnings
             for gil_hold_ms in args.gil_hold_ms
+            for gc_here in (args.gc_on_loop_thread if placement == "thread" else ["on"])
         ]
     report(rows, args)
 

@@ -35,6 +35,7 @@ from tiering.runtime.loop_thread import LoopThread
 from tiering.runtime.mailbox import Mailbox
 from tiering.runtime.service import TierService, _Job
 from tiering.runtime.stats import TierCounters, TierStats
+from tiering.runtime.young_gc import collect_young_generation, young_collection_due
 from tiering.tier import AsyncTier, TierContext
 
 logger = logging.getLogger("tiering.runtime")
@@ -93,7 +94,11 @@ class AsyncTierManager(SecondaryTierManager):
     thread runs callbacks back to back before it releases the GIL for a
     moment, so that a thread waiting for it (the scheduler, back from a GPU
     step) gets it within about that long instead of waiting while the loop
-    stays busy (:mod:`tiering.runtime.gil_handoff`).
+    stays busy (:mod:`tiering.runtime.gil_handoff`). ``gc_on_loop_thread``
+    (default True): when :meth:`get_finished` finds Python's youngest
+    generation well on its way to a collection, the loop thread runs it, while
+    the scheduler waits for the GPU, rather than the scheduler's next step
+    (:mod:`tiering.runtime.young_gc`).
 
     Use it as a context manager, or call :meth:`shutdown`.
     """
@@ -119,6 +124,7 @@ class AsyncTierManager(SecondaryTierManager):
         failed_load_backoff_s: float = 0.0,
         cpus: Collection[int] | str | None = None,
         max_gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
+        gc_on_loop_thread: bool = True,
     ) -> None:
         super().__init__(primary_kv_view, tier_type)
         if not isinstance(tier, AsyncTier):
@@ -135,6 +141,7 @@ class AsyncTierManager(SecondaryTierManager):
             verify=verify,
             failed_load_backoff_s=failed_load_backoff_s,
             max_gil_hold_ms=max_gil_hold_ms,
+            gc_on_loop_thread=gc_on_loop_thread,
         )
         self.cpus = check_cpus(cpus)
         self.name = name or tier_type
@@ -142,6 +149,7 @@ class AsyncTierManager(SecondaryTierManager):
         self._init_scheduler_side(
             primary_kv_view, block_bytes, job_timeout_s, shutdown_timeout_s, failed_load_backoff_s
         )
+        self._collect_on_loop = gc_on_loop_thread
         self._thread = LoopThread(f"tier-{self.name}", hold_seconds(max_gil_hold_ms))
         self._service = TierService(
             tier,
@@ -211,6 +219,7 @@ class AsyncTierManager(SecondaryTierManager):
         self._failed_loads: dict[OffloadKey, float] = {}  # key -> when its load failed
         self._store_jobs = 0
         self._load_jobs = 0
+        self._collect_on_loop = False  # a loop thread in this process takes collections
 
     def _bind_published(
         self,
@@ -405,6 +414,8 @@ class AsyncTierManager(SecondaryTierManager):
         """Results of the jobs finished since the last call; never blocks."""
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
+        if self._collect_on_loop and young_collection_due():
+            self._mailbox.post(_collect_young_generation, None)
         taken = self._take_results()
         if self._ready:
             finished = [*self._ready, *taken]
@@ -577,6 +588,7 @@ def check_runtime_options(
     failed_load_backoff_s: object = 0.0,
     cpus: object = None,
     max_gil_hold_ms: object = DEFAULT_MAX_GIL_HOLD_MS,
+    gc_on_loop_thread: object = True,
 ) -> None:
     """Check the runtime's options (a tier entry's framework keys) without building anything.
 
@@ -602,6 +614,8 @@ def check_runtime_options(
         )
     if verify is not None and not isinstance(verify, bool):
         raise ConfigError(f"verify must be true, false or null, got {verify!r}")
+    if not isinstance(gc_on_loop_thread, bool):
+        raise ConfigError(f"gc_on_loop_thread must be true or false, got {gc_on_loop_thread!r}")
     if (
         not isinstance(shared_max_known_keys, int)
         or isinstance(shared_max_known_keys, bool)
@@ -622,6 +636,10 @@ def check_runtime_options(
             f"got {max_gil_hold_ms!r}"
         )
     check_cpus(cpus)
+
+
+def _collect_young_generation(_: None) -> None:
+    collect_young_generation()  # runs on the loop thread (a mailbox item)
 
 
 async def _pin_loop_thread(cpus: frozenset[int]) -> None:

@@ -1,0 +1,141 @@
+"""Garbage collections handed to the loop thread: when they are due, where they run, the option."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from tests.runtime_support import key, one_result, primary, store
+from tiering.errors import ConfigError
+from tiering.registry import create_secondary_tier
+from tiering.runtime import AsyncTierManager
+from tiering.runtime.facade import check_runtime_options
+from tiering.runtime.young_gc import DUE_FRACTION, collect_young_generation, young_collection_due
+from tiers.memory import MemoryTier
+
+#: A threshold far above what anything but the test's own allocations reaches, so the
+#: youngest generation's count is the test's to set.
+THRESHOLD = 40_000
+BELOW = int(THRESHOLD * DUE_FRACTION * 0.6)
+PAST = int(THRESHOLD * DUE_FRACTION * 1.4)
+
+
+@pytest.fixture
+def collections() -> Iterator[list[tuple[str, int]]]:
+    """(thread name, generation) of each collection that starts; a known threshold, count 0."""
+    saved, was_enabled = gc.get_threshold(), gc.isenabled()
+    seen: list[tuple[str, int]] = []
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            seen.append((threading.current_thread().name, info["generation"]))
+
+    gc.enable()
+    gc.set_threshold(THRESHOLD, *saved[1:])
+    gc.collect()  # every count back to 0
+    gc.callbacks.append(record)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*saved)
+        if not was_enabled:
+            gc.disable()
+
+
+def allocate(n: int) -> list[list[int]]:
+    return [[] for _ in range(n)]
+
+
+def test_a_collection_is_due_past_the_fraction_of_the_threshold(
+    collections: list[tuple[str, int]],
+) -> None:
+    kept = allocate(BELOW)
+    assert not young_collection_due()
+    kept += allocate(PAST - BELOW)
+    assert young_collection_due()
+    assert collections == []  # checking collects nothing
+
+
+def test_a_due_collection_runs_on_the_calling_thread_as_cpython_picks_it(
+    collections: list[tuple[str, int]],
+) -> None:
+    kept = allocate(PAST)
+    collect_young_generation()
+    assert collections == [(threading.current_thread().name, 0)]
+    assert gc.get_count()[0] < BELOW
+    assert len(kept) == PAST  # what was alive stays alive
+
+
+def test_nothing_is_collected_before_it_is_due(collections: list[tuple[str, int]]) -> None:
+    kept = allocate(BELOW)
+    collect_young_generation()
+    assert collections == []
+    assert gc.get_count()[0] >= BELOW
+    del kept
+
+
+@pytest.mark.parametrize("switch_off", ["disable", "threshold 0"])
+def test_an_embedder_that_turned_collection_off_gets_none(
+    collections: list[tuple[str, int]], switch_off: str
+) -> None:
+    kept = allocate(PAST)
+    if switch_off == "disable":
+        gc.disable()
+    else:
+        gc.set_threshold(0)
+    assert not young_collection_due()
+    collect_young_generation()
+    assert collections == []
+    del kept
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_get_finished_hands_a_due_collection_to_the_loop_thread(
+    collections: list[tuple[str, int]], on: bool
+) -> None:
+    buffer = primary(4)
+    with AsyncTierManager(
+        MemoryTier(), buffer.data, "memory", name="young-gc", gc_on_loop_thread=on
+    ) as manager:
+        kept = allocate(PAST)
+        assert list(manager.get_finished()) == []
+        manager.submit_store(store(1, [key(1)], [0]))  # behind the collection on the loop
+        assert one_result(manager).success
+        loop_collections = [c for c in collections if c[0] == "tier-young-gc"]
+        if on:
+            assert loop_collections == [("tier-young-gc", 0)]
+            assert gc.get_count()[0] < BELOW
+        else:
+            assert loop_collections == []
+            assert gc.get_count()[0] > BELOW  # a collection would have reset it
+        assert not [c for c in collections if c[0] == threading.current_thread().name]
+        del kept
+
+
+@pytest.mark.parametrize("bad", [None, 1, "yes"])
+def test_a_bad_gc_on_loop_thread_is_a_config_error_naming_it(bad: object) -> None:
+    with pytest.raises(ConfigError, match="gc_on_loop_thread"):
+        check_runtime_options(gc_on_loop_thread=bad)
+    buffer = memoryview(bytearray(8 * 64)).cast("B", (8, 64))
+    with pytest.raises(ConfigError, match="gc_on_loop_thread"):
+        create_secondary_tier({"type": "memory", "gc_on_loop_thread": bad}, buffer, position=0)
+
+
+def test_the_config_key_reaches_the_manager_and_is_refused_for_a_child_process() -> None:
+    buffer = memoryview(bytearray(8 * 64)).cast("B", (8, 64))
+    with create_secondary_tier(
+        {"type": "memory", "gc_on_loop_thread": False}, buffer, position=0
+    ) as manager:
+        assert manager._collect_on_loop is False
+    with create_secondary_tier({"type": "memory"}, buffer, position=0) as manager:
+        assert manager._collect_on_loop is True
+    with pytest.raises(ConfigError, match="gc_on_loop_thread applies to isolation 'thread'"):
+        create_secondary_tier(
+            {"type": "memory", "gc_on_loop_thread": True, "isolation": "process"},
+            buffer,
+            position=0,
+        )

@@ -1,0 +1,65 @@
+"""Garbage collections on the tier's loop thread, not inside the scheduler's step.
+
+Why: CPython collects when an allocation takes the youngest generation's
+count past its threshold (700 by default), on whichever thread makes that
+allocation. A tier's loop thread allocates as it serves jobs (futures,
+per-block state) and those objects live until their jobs finish, so the
+count climbs while the tier works; the allocation that finally crosses the
+threshold is most often the scheduler's, and the collection runs inside its
+step. ``benchmarks/engine_step.py`` counts them: with the fs tier flat out on
+its loop thread, about one scheduler step in twenty held a collection
+(0.5-1 ms each on the development VM, 4 ms for the middle generation), and
+the steps' p99 rose 1.3-1.8x; steps alone held none.
+
+The remedy: once per ``get_finished()`` (once per scheduler step) the facade
+reads the count; once it is past :data:`DUE_FRACTION` of the threshold it
+posts :func:`collect_young_generation` to the loop thread, which runs it while
+the scheduler waits for the GPU. That function does not pick a generation
+itself: it allocates up to the threshold, so CPython's own automatic
+collection runs, on the loop thread, choosing the generation as it always
+would (the oldest generation's rule reads a ratio Python cannot see). An
+embedder who disabled the collector (``gc.disable()``) or set threshold 0 gets
+nothing of this.
+"""
+
+from __future__ import annotations
+
+import gc
+
+#: Share of the youngest generation's threshold past which a collection is handed
+#: to the loop thread. Lower hands over more, smaller collections; the scheduler's
+#: own allocations within one step must fit under the rest of the threshold.
+DUE_FRACTION = 0.25
+
+
+def young_collection_due() -> bool:
+    """Whether the youngest generation's count is past :data:`DUE_FRACTION` of its threshold
+    (False while automatic collection is off). A couple of C calls: cheap on any thread."""
+    if not gc.isenabled():
+        return False
+    threshold = gc.get_threshold()[0]
+    return threshold > 0 and gc.get_count()[0] >= threshold * DUE_FRACTION
+
+
+def collect_young_generation() -> None:
+    """Run CPython's automatic collection now, on this thread, if it is still due.
+
+    Allocates empty lists until the count drops (a few hundred at the default
+    threshold of 700; they are freed at once): the allocation that crosses the
+    threshold runs the collection here, exactly as one made by the scheduler
+    would have there. Gives up after twice the threshold, should something
+    else switch collection off meanwhile.
+    """
+    if not young_collection_due():
+        return
+    threshold = gc.get_threshold()[0]
+    ballast: list[list[None]] = []
+    count = gc.get_count()[0]
+    # Counting allocations would not do: lists that come from CPython's free list
+    # never touch the count, so the number short of the threshold is a lower bound.
+    for _ in range(2 * threshold):
+        ballast.append([])
+        now = gc.get_count()[0]
+        if now < count:
+            return
+        count = now
