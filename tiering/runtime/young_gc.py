@@ -7,9 +7,10 @@ per-block state) and those objects live until their jobs finish, so the
 count climbs while the tier works; the allocation that finally crosses the
 threshold is most often the scheduler's, and the collection runs inside its
 step. ``benchmarks/engine_step.py`` counts them: with the fs tier flat out on
-its loop thread, about one scheduler step in twenty held a collection
+its loop thread, 3.6-7.9% of a resting scheduler's steps ran a collection
 (0.5-1 ms each on the development VM, 4 ms for the middle generation), and
-the steps' p99 rose 1.3-1.8x; steps alone held none.
+the steps' p99 rose 1.5-2.2x; steps alone ran none (``docs/runtime.md``,
+"Garbage collections").
 
 The remedy: once per ``get_finished()`` (once per scheduler step) the facade
 reads the count; once it is past :data:`DUE_FRACTION` of the threshold it
