@@ -35,8 +35,8 @@ cannot run here (io_uring unavailable, no redis-server) is skipped with the
 reason. ``--pin on|both`` also runs rows with the scheduler thread on one CPU
 and the tier on the others (the runtime's ``cpus`` option; ``docs/runtime.md``,
 "Pinning"), and ``--gil-hold-ms 1 0.25 off`` a row per value of the runtime's
-``max_gil_hold_ms`` (``off``: no GIL hand-offs), and ``--gc-on-loop-thread on
-off`` a row per value of the runtime's ``gc_on_loop_thread`` (``off``: the
+``max_gil_hold_ms`` (``off``: no GIL hand-offs), and ``--gc-handoff on
+off`` a row per value of the runtime's ``gc_handoff`` (``off``: the
 collections the tier's allocations call for run wherever CPython starts
 them, most often in a scheduler step; ``docs/runtime.md``, "Garbage
 collections"); the "GC steps" column counts the steps in which the scheduler
@@ -315,7 +315,7 @@ def open_tier(
     placement: str = "thread",
     tier_cpus: frozenset[int] | None = None,
     gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
-    gc_on_loop_thread: bool = True,
+    gc_handoff: bool = True,
 ) -> Iterator[Rig]:
     """The tier ``kind`` behind a facade over fresh primary rows (a context).
 
@@ -323,7 +323,7 @@ def open_tier(
     process) or ``process`` (:class:`~tiering.isolation.IsolatedTierManager`);
     ``tier_cpus``: the runtime's ``cpus`` option (redis-server is put there too);
     ``gil_hold_ms``: the runtime's ``max_gil_hold_ms`` (``None``: no GIL hand-offs);
-    ``gc_on_loop_thread``: the runtime's option of that name (loop-thread rows only).
+    ``gc_handoff``: the runtime's option of that name.
     """
     block = args.block_kib * KIB
     rows = args.in_flight * args.blocks_per_job
@@ -382,13 +382,11 @@ def open_tier(
             pin_process(server.process.pid, tier_cpus)  # it serves the tier: its CPUs
         manager: AsyncTierManager
         if placement == "process":
-            isolated = IsolatedTierManager(factory, host, kind, **options)
+            isolated = IsolatedTierManager(factory, host, kind, gc_handoff=gc_handoff, **options)
             manager, tier_cpu = isolated, process_cpu(isolated.pid)
             description += "; in a child process"
         else:
-            manager = AsyncTierManager(
-                factory(), host.view, kind, gc_on_loop_thread=gc_on_loop_thread, **options
-            )
+            manager = AsyncTierManager(factory(), host.view, kind, gc_handoff=gc_handoff, **options)
             tier_cpu = thread_cpu(manager._thread.thread)  # the tier's event-loop thread
             if kind.startswith("fs-"):
                 got = manager.tier.stats.io_backend  # type: ignore[attr-defined]
@@ -595,7 +593,7 @@ def bench_tier(
     placement: str,
     pinned: bool = False,
     gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
-    gc_on_loop_thread: bool = True,
+    gc_handoff: bool = True,
 ) -> TierRow:
     where = [
         w
@@ -607,7 +605,7 @@ def bench_tier(
                 f"GIL hand-off {gil_hold_ms} ms",
                 gil_hold_ms not in (None, DEFAULT_MAX_GIL_HOLD_MS),
             ),
-            ("no GC hand-off", not gc_on_loop_thread),
+            ("no GC hand-off", not gc_handoff),
         )
         if on
     ]
@@ -617,9 +615,7 @@ def bench_tier(
     # This (the scheduler) thread only: on its CPU for a pinned row, back on all for the next.
     os.sched_setaffinity(0, {cpus[0]} if pinned else cpus)
     try:
-        with open_tier(
-            kind, args, scratch, placement, tier_cpus, gil_hold_ms, gc_on_loop_thread
-        ) as rig:
+        with open_tier(kind, args, scratch, placement, tier_cpus, gil_hold_ms, gc_handoff) as rig:
             row.description = rig.description
             scheduler = ToyScheduler(args.running)
             mix = JobMix(rig.manager, args.in_flight, args.blocks_per_job, args.lookups)
@@ -854,12 +850,11 @@ def main(argv: list[str] | None = None) -> None:
         f"hand-offs; default {DEFAULT_MAX_GIL_HOLD_MS:g})",
     )
     parser.add_argument(
-        "--gc-on-loop-thread",
+        "--gc-handoff",
         nargs="+",
         choices=("on", "off"),
         default=["on"],
-        help="the runtime's gc_on_loop_thread for each loop-thread row, one row per value "
-        "(default on)",
+        help="the runtime's gc_handoff for each tier row, one row per value (default on)",
     )
     parser.add_argument(
         "--switch-interval-ms",
@@ -906,7 +901,7 @@ def main(argv: list[str] | None = None) -> None:
             for placement in placements
             for pinned in pinnings
             for gil_hold_ms in args.gil_hold_ms
-            for gc_here in (args.gc_on_loop_thread if placement == "thread" else ["on"])
+            for gc_here in args.gc_handoff
         ]
     report(rows, args)
 

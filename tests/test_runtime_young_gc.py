@@ -1,19 +1,28 @@
-"""Garbage collections handed to the loop thread: when they are due, where they run, the option."""
+"""Garbage collections handed off the scheduler thread: when they are due, where they run, the
+option (a tier's loop thread; an isolated tier's collector thread)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from tests.runtime_support import key, one_result, primary, store
+from tests.runtime_support import key, one_result, primary, store, wait_until
 from tiering.errors import ConfigError
+from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.isolation import IsolatedTierManager
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.facade import check_runtime_options
-from tiering.runtime.young_gc import DUE_FRACTION, collect_young_generation, young_collection_due
+from tiering.runtime.young_gc import (
+    DUE_FRACTION,
+    CollectorThread,
+    collect_young_generation,
+    young_collection_due,
+)
 from tiers.memory import MemoryTier
 
 #: A threshold far above what anything but the test's own allocations reaches, so the
@@ -99,7 +108,7 @@ def test_get_finished_hands_a_due_collection_to_the_loop_thread(
 ) -> None:
     buffer = primary(4)
     with AsyncTierManager(
-        MemoryTier(), buffer.data, "memory", name="young-gc", gc_on_loop_thread=on
+        MemoryTier(), buffer.data, "memory", name="young-gc", gc_handoff=on
     ) as manager:
         kept = allocate(PAST)
         assert list(manager.get_finished()) == []
@@ -117,25 +126,66 @@ def test_get_finished_hands_a_due_collection_to_the_loop_thread(
 
 
 @pytest.mark.parametrize("bad", [None, 1, "yes"])
-def test_a_bad_gc_on_loop_thread_is_a_config_error_naming_it(bad: object) -> None:
-    with pytest.raises(ConfigError, match="gc_on_loop_thread"):
-        check_runtime_options(gc_on_loop_thread=bad)
+def test_a_bad_gc_handoff_is_a_config_error_naming_it(bad: object) -> None:
+    with pytest.raises(ConfigError, match="gc_handoff"):
+        check_runtime_options(gc_handoff=bad)
     buffer = memoryview(bytearray(8 * 64)).cast("B", (8, 64))
-    with pytest.raises(ConfigError, match="gc_on_loop_thread"):
-        create_secondary_tier({"type": "memory", "gc_on_loop_thread": bad}, buffer, position=0)
+    with pytest.raises(ConfigError, match="gc_handoff"):
+        create_secondary_tier({"type": "memory", "gc_handoff": bad}, buffer, position=0)
 
 
 def test_the_config_key_reaches_the_manager_and_is_refused_for_a_child_process() -> None:
     buffer = memoryview(bytearray(8 * 64)).cast("B", (8, 64))
     with create_secondary_tier(
-        {"type": "memory", "gc_on_loop_thread": False}, buffer, position=0
+        {"type": "memory", "gc_handoff": False}, buffer, position=0
     ) as manager:
-        assert manager._collect_on_loop is False
+        assert manager._offer_collection is None
     with create_secondary_tier({"type": "memory"}, buffer, position=0) as manager:
-        assert manager._collect_on_loop is True
-    with pytest.raises(ConfigError, match="gc_on_loop_thread applies to isolation 'thread'"):
-        create_secondary_tier(
-            {"type": "memory", "gc_on_loop_thread": True, "isolation": "process"},
-            buffer,
-            position=0,
-        )
+        assert manager._offer_collection is not None
+
+
+def test_the_collector_thread_collects_when_offered_and_stops_when_closed(
+    collections: list[tuple[str, int]],
+) -> None:
+    collector = CollectorThread("young-gc-collector")
+    try:
+        kept = allocate(PAST)
+        collector.offer()
+        wait_until(lambda: collections)  # the thread takes the request at its own pace
+        assert collections == [("young-gc-collector", 0)]
+        collector.offer()  # nothing due any more: it runs nothing
+    finally:
+        collector.close()
+    assert not collector.thread.is_alive()
+    assert collections == [("young-gc-collector", 0)]
+    collector.close()  # again: nothing to do
+    del kept
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_an_isolated_tier_hands_a_due_collection_to_its_collector_thread(
+    collections: list[tuple[str, int]], on: bool
+) -> None:
+    host = HostBuffer.create(4, 4096, shared_name=make_shared_name("young-gc"))
+    try:
+        factory = functools.partial(MemoryTier, capacity_blocks=8)
+        with IsolatedTierManager(
+            factory, host, "memory", name="young-gc-iso", gc_handoff=on
+        ) as manager:
+            collector = manager._collector
+            assert (collector is not None) is on
+            kept = allocate(PAST)
+            assert list(manager.get_finished()) == []
+            if collector is not None:
+                collector.close()  # joins once the queued request has run
+                assert ("tier-young-gc-iso-gc", 0) in collections
+                assert gc.get_count()[0] < BELOW
+            else:
+                assert gc.get_count()[0] > BELOW  # a collection would have reset it
+            assert not [c for c in collections if c[0] == threading.current_thread().name]
+            del kept
+        if collector is not None:
+            assert not collector.thread.is_alive()
+    finally:
+        host.close()
+        host.unlink()

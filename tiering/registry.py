@@ -34,10 +34,11 @@ The other keys of the dict are split in two. The *framework's* keys
 ``max_gil_hold_ms``      longest run of loop work between GIL hand-offs, so the
                          scheduler thread gets the GIL back within about that long
                          (default 1; null: off; ``docs/runtime.md``, "The GIL")
-``gc_on_loop_thread``    the tier's loop thread runs the garbage collections the
-                         process's allocations call for, while the scheduler waits
-                         for the GPU, rather than the scheduler's next step (default
-                         true; ``isolation: thread`` only; ``docs/runtime.md``)
+``gc_handoff``           another thread of the scheduler's process (the tier's loop
+                         thread; for ``isolation: process``, a collector thread) runs
+                         the garbage collections the scheduler's step would run,
+                         while the scheduler waits for the GPU (default true;
+                         ``docs/runtime.md``, "Garbage collections")
 ``isolation``            ``"thread"`` (default: the tier's event loop on a thread of this
                          process) or ``"process"`` (in a child process:
                          :class:`~tiering.isolation.IsolatedTierManager`; the tier's
@@ -98,7 +99,7 @@ FRAMEWORK_KEYS = (
     "failed_load_backoff_s",
     "cpus",
     "max_gil_hold_ms",
-    "gc_on_loop_thread",
+    "gc_handoff",
     "isolation",
 )
 _MANAGER_OPTIONS = FRAMEWORK_KEYS[3:-1]
@@ -301,11 +302,6 @@ def check_tier_config(
         raise ConfigError(
             f"{where}: isolation must be one of {', '.join(map(repr, ISOLATION_MODES))}, "
             f"got {isolation!r}"
-        )
-    if isolation == "process" and "gc_on_loop_thread" in config:
-        raise ConfigError(
-            f"{where}: gc_on_loop_thread applies to isolation 'thread' only (in a child "
-            "process the tier's allocations are that process's own)"
         )
     if any(name in options for name in AUTH_OPTION_NAMES):
         # Read the authentication key now: a missing or unsafe key fails the spec's

@@ -48,6 +48,7 @@ from tiering.runtime.facade import (
 from tiering.runtime.gil_handoff import hold_seconds
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters
+from tiering.runtime.young_gc import CollectorThread
 from tiering.tier import AsyncTier
 
 logger = logging.getLogger("tiering.isolation")
@@ -71,7 +72,10 @@ class IsolatedTierManager(AsyncTierManager):
     (``cpus`` pins every thread of the child process, before the tier opens;
     ``max_gil_hold_ms`` bounds the child's loop between GIL hand-offs to the
     tier's own threads, the scheduler's thread not being there);
-    ``ring_bytes`` sizes each ring. Construction starts the process and
+    ``ring_bytes`` sizes each ring; ``gc_handoff`` (default True) runs the
+    garbage collections the scheduler's step would run on a collector thread
+    of this process instead (there is no loop thread here; the results it
+    unpickles still allocate). Construction starts the process and
     returns once the tier is open there; a tier that fails to open raises
     its own exception here (its type kept when it pickles), and
     ``TimeoutError`` if it does not open within ``open_timeout_s`` (plus
@@ -99,6 +103,7 @@ class IsolatedTierManager(AsyncTierManager):
         cpus: Collection[int] | str | None = None,
         max_gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
         ring_bytes: int = RING_BYTES,
+        gc_handoff: bool = True,
     ) -> None:
         if not callable(tier_factory):
             raise TypeError(f"tier_factory must be callable, not {type(tier_factory).__name__}")
@@ -122,6 +127,7 @@ class IsolatedTierManager(AsyncTierManager):
             verify=verify,
             failed_load_backoff_s=failed_load_backoff_s,
             max_gil_hold_ms=max_gil_hold_ms,
+            gc_handoff=gc_handoff,
         )
         self.cpus = check_cpus(cpus)
         self.name = name or tier_type
@@ -192,6 +198,10 @@ class IsolatedTierManager(AsyncTierManager):
             self._jobs_ring.unlink()  # both sides are attached (or the child is gone)
             self._results_ring.unlink()
         shared, self._touch_supported, self._capacity, self._tier_class = answer
+        self._collector: CollectorThread | None = None
+        if gc_handoff:  # no loop thread here: the results it unpickles still allocate
+            self._collector = CollectorThread(f"tier-{self.name}-gc")
+            self._offer_collection = self._collector.offer
         mirror = self._mirror
         self._bind_published(
             mirror.present,
@@ -387,6 +397,8 @@ class IsolatedTierManager(AsyncTierManager):
         try:
             self._stop_process(budget_s)
         finally:
+            if self._collector is not None:
+                self._collector.close()
             self._release()
 
     def _stop_process(self, budget_s: float) -> None:

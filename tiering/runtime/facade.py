@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from types import TracebackType
 from typing import NamedTuple
 
@@ -94,7 +94,7 @@ class AsyncTierManager(SecondaryTierManager):
     thread runs callbacks back to back before it releases the GIL for a
     moment, so that a thread waiting for it (the scheduler, back from a GPU
     step) gets it within about that long instead of waiting while the loop
-    stays busy (:mod:`tiering.runtime.gil_handoff`). ``gc_on_loop_thread``
+    stays busy (:mod:`tiering.runtime.gil_handoff`). ``gc_handoff``
     (default True): when :meth:`get_finished` finds Python's youngest
     generation well on its way to a collection, the loop thread runs it, while
     the scheduler waits for the GPU, rather than the scheduler's next step
@@ -102,6 +102,9 @@ class AsyncTierManager(SecondaryTierManager):
 
     Use it as a context manager, or call :meth:`shutdown`.
     """
+
+    #: How a due garbage collection leaves the scheduler thread (None: it does not).
+    _offer_collection: Callable[[], None] | None
 
     def __init__(
         self,
@@ -124,7 +127,7 @@ class AsyncTierManager(SecondaryTierManager):
         failed_load_backoff_s: float = 0.0,
         cpus: Collection[int] | str | None = None,
         max_gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
-        gc_on_loop_thread: bool = True,
+        gc_handoff: bool = True,
     ) -> None:
         super().__init__(primary_kv_view, tier_type)
         if not isinstance(tier, AsyncTier):
@@ -141,7 +144,7 @@ class AsyncTierManager(SecondaryTierManager):
             verify=verify,
             failed_load_backoff_s=failed_load_backoff_s,
             max_gil_hold_ms=max_gil_hold_ms,
-            gc_on_loop_thread=gc_on_loop_thread,
+            gc_handoff=gc_handoff,
         )
         self.cpus = check_cpus(cpus)
         self.name = name or tier_type
@@ -149,7 +152,8 @@ class AsyncTierManager(SecondaryTierManager):
         self._init_scheduler_side(
             primary_kv_view, block_bytes, job_timeout_s, shutdown_timeout_s, failed_load_backoff_s
         )
-        self._collect_on_loop = gc_on_loop_thread
+        if gc_handoff:
+            self._offer_collection = self._post_collection
         self._thread = LoopThread(f"tier-{self.name}", hold_seconds(max_gil_hold_ms))
         self._service = TierService(
             tier,
@@ -219,7 +223,7 @@ class AsyncTierManager(SecondaryTierManager):
         self._failed_loads: dict[OffloadKey, float] = {}  # key -> when its load failed
         self._store_jobs = 0
         self._load_jobs = 0
-        self._collect_on_loop = False  # a loop thread in this process takes collections
+        self._offer_collection = None
 
     def _bind_published(
         self,
@@ -250,6 +254,9 @@ class AsyncTierManager(SecondaryTierManager):
 
     def _post_touch(self, keys: tuple[OffloadKey, ...]) -> None:
         self._mailbox.post(self._service.touch, keys)
+
+    def _post_collection(self) -> None:
+        self._mailbox.post(_collect_young_generation, None)
 
     def _take_results(self) -> Sequence[JobResult]:
         """Results published since the last call (never blocks)."""
@@ -414,8 +421,8 @@ class AsyncTierManager(SecondaryTierManager):
         """Results of the jobs finished since the last call; never blocks."""
         if self._closed:
             raise TierClosedError(f"tier {self.name} is shut down")
-        if self._collect_on_loop and young_collection_due():
-            self._mailbox.post(_collect_young_generation, None)
+        if self._offer_collection is not None and young_collection_due():
+            self._offer_collection()
         taken = self._take_results()
         if self._ready:
             finished = [*self._ready, *taken]
@@ -588,7 +595,7 @@ def check_runtime_options(
     failed_load_backoff_s: object = 0.0,
     cpus: object = None,
     max_gil_hold_ms: object = DEFAULT_MAX_GIL_HOLD_MS,
-    gc_on_loop_thread: object = True,
+    gc_handoff: object = True,
 ) -> None:
     """Check the runtime's options (a tier entry's framework keys) without building anything.
 
@@ -614,8 +621,8 @@ def check_runtime_options(
         )
     if verify is not None and not isinstance(verify, bool):
         raise ConfigError(f"verify must be true, false or null, got {verify!r}")
-    if not isinstance(gc_on_loop_thread, bool):
-        raise ConfigError(f"gc_on_loop_thread must be true or false, got {gc_on_loop_thread!r}")
+    if not isinstance(gc_handoff, bool):
+        raise ConfigError(f"gc_handoff must be true or false, got {gc_handoff!r}")
     if (
         not isinstance(shared_max_known_keys, int)
         or isinstance(shared_max_known_keys, bool)

@@ -12,10 +12,13 @@ its loop thread, 3.6-7.9% of a resting scheduler's steps ran a collection
 the steps' p99 rose 1.5-2.2x; steps alone ran none (``docs/runtime.md``,
 "Garbage collections").
 
-The remedy: once per ``get_finished()`` (once per scheduler step) the facade
-reads the count; once it is past :data:`DUE_FRACTION` of the threshold it
-posts :func:`collect_young_generation` to the loop thread, which runs it while
-the scheduler waits for the GPU. That function does not pick a generation
+The remedy (the managers' ``gc_handoff`` option): once per ``get_finished()``
+(once per scheduler step) the facade reads the count; once it is past
+:data:`DUE_FRACTION` of the threshold it posts :func:`collect_young_generation`
+to another thread of the process, which runs it while the scheduler waits for
+the GPU: the tier's loop thread, or, for a tier in a child process (whose
+scheduler side still allocates, for the results it unpickles), a
+:class:`CollectorThread`. That function does not pick a generation
 itself: it allocates up to the threshold, so CPython's own automatic
 collection runs, on the loop thread, choosing the generation as it always
 would (the oldest generation's rule reads a ratio Python cannot see). An
@@ -26,6 +29,8 @@ nothing of this.
 from __future__ import annotations
 
 import gc
+import queue
+import threading
 
 #: Share of the youngest generation's threshold past which a collection is handed
 #: to the loop thread. Lower hands over more, smaller collections; the scheduler's
@@ -64,3 +69,37 @@ def collect_young_generation() -> None:
         if now < count:
             return
         count = now
+
+
+class CollectorThread:
+    """A daemon thread that runs :func:`collect_young_generation` when offered one.
+
+    For a scheduler-side process with no loop thread of its own (an isolated
+    tier's). :meth:`offer` (the scheduler thread) returns at once and queues at
+    most one request at a time; :meth:`close` stops the thread and joins it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._requests: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: collect
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def offer(self) -> None:
+        """Ask for a collection (if one is due when the thread gets to it)."""
+        if self._requests.empty():  # one queued is enough: it re-checks when it runs
+            self._requests.put(True)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and join it (within ``timeout_s``; a collection in progress ends
+        first). Idempotent."""
+        if self._thread.is_alive():
+            self._requests.put(False)
+            self._thread.join(timeout_s)
+
+    def _serve(self) -> None:
+        while self._requests.get():
+            collect_young_generation()
