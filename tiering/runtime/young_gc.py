@@ -1,4 +1,4 @@
-"""Garbage collections on the tier's loop thread, not inside the scheduler's step.
+"""Garbage collections handed off the scheduler thread, not run inside its step.
 
 Why: CPython collects when an allocation takes the youngest generation's
 count past its threshold (700 by default), on whichever thread makes that
@@ -20,7 +20,7 @@ the GPU: the tier's loop thread, or, for a tier in a child process (whose
 scheduler side still allocates, for the results it unpickles), a
 :class:`CollectorThread`. That function does not pick a generation
 itself: it allocates up to the threshold, so CPython's own automatic
-collection runs, on the loop thread, choosing the generation as it always
+collection runs, on that thread, choosing the generation as it always
 would (the oldest generation's rule reads a ratio Python cannot see). An
 embedder who disabled the collector (``gc.disable()``) or set threshold 0 gets
 nothing of this.
@@ -33,7 +33,7 @@ import queue
 import threading
 
 #: Share of the youngest generation's threshold past which a collection is handed
-#: to the loop thread. Lower hands over more, smaller collections; the scheduler's
+#: off the scheduler thread. Lower hands over more, smaller collections; the scheduler's
 #: own allocations within one step must fit under the rest of the threshold.
 DUE_FRACTION = 0.25
 
