@@ -523,7 +523,8 @@ class Phase:
 
 
 class SchedulerCollections:
-    """Counts the garbage collections this (the scheduler) thread runs, as a ``gc`` callback."""
+    """Counts the garbage collections the thread that built it (the scheduler) runs, as a ``gc``
+    callback while entered."""
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
@@ -541,8 +542,8 @@ class SchedulerCollections:
         gc.callbacks.remove(self)
 
 
-#: Set by ``main`` for the run (steps measured elsewhere count no collections).
-_COLLECTIONS: SchedulerCollections | None = None
+#: Entered by ``main`` for the run (outside it the count stays put: steps count none).
+_COLLECTIONS = SchedulerCollections()
 
 
 def run_steps(
@@ -557,11 +558,11 @@ def run_steps(
     end = time.perf_counter() + seconds
     collections = _COLLECTIONS
     while time.perf_counter() < end:
-        before = collections.count if collections is not None else 0
+        before = collections.count
         t0 = time.perf_counter()
         scheduler.step()
         t1 = time.perf_counter()
-        if collections is not None and collections.count != before:
+        if collections.count != before:
             into.gc_steps += 1
         if between is not None:
             between()
@@ -885,10 +886,9 @@ def main(argv: list[str] | None = None) -> None:
         + "Shared machines are noisy: "
         "compare within one run.\n"
     )
-    global _COLLECTIONS
     with (
         tempfile.TemporaryDirectory(prefix="engine-step-", dir=args.scratch) as tmp,
-        SchedulerCollections() as _COLLECTIONS,
+        _COLLECTIONS,
     ):
         placements = ("thread", "process") if args.isolation == "both" else (args.isolation,)
         pinnings = {"off": (False,), "on": (True,), "both": (False, True)}[args.pin]
