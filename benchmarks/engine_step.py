@@ -40,11 +40,20 @@ off`` a row per value of the runtime's ``gc_handoff`` (``off``: the
 collections the tier's allocations call for run wherever CPython starts
 them, most often in a scheduler step; ``docs/runtime.md``, "Garbage
 collections"); the "GC steps" column counts the steps in which the scheduler
-thread ran a collection. Control rows come first
-(``--controls spin copy scatter``, the default): the same steps beside another
+thread ran a collection. Three columns say where a slower step's time went:
+"step CPU p50/p99" is the scheduler thread's own CPU time per ``schedule()``
+against the alone rounds (a step that ran slower because the machine is
+busy: caches and memory shared with the tier's CPU), "waited" the share of
+steps in which that thread blocked (a voluntary context switch: waiting for
+the GIL or anything else) and "preempted" the share in which the kernel put
+another thread on its CPU (an involuntary one). A p50/p99 ratio with the CPU
+ratio beside it and no waited or preempted steps is the shared hardware, the
+class of the ``copy`` control, not the tier's GIL. Control rows come first
+(``--controls spin copy scatter disk``, the default): the same steps beside another
 process on the other CPU that does no tiering (a pure-Python loop; numpy copying
 64 MiB over and over; random 256 KiB regions copied as a tier copies its
-blocks), the machine's own floor under the tier rows. Figures of a
+blocks; random 256 KiB O_DIRECT reads and writes of a file, the fs tier's disk
+traffic), the machine's own floor under the tier rows. Figures of a
 shared machine are noisy: compare within one run.
 """
 
@@ -57,6 +66,7 @@ import gc
 import heapq
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -92,8 +102,11 @@ TIERS = ("memory", "fs-threads", "fs-uring", "redis")
 #: over and over with numpy (memory bandwidth and the shared cache, as a tier
 #: moving bytes at full speed does), ``scatter`` copies 16 regions of 256 KiB at
 #: random places of a 64 MiB pool into a 256 MiB one per call, through the
-#: library's own bulk copy (the access pattern of a tier's blocks). Each counts
-#: the bytes it copied and prints the count when stopped with SIGTERM.
+#: library's own bulk copy (the access pattern of a tier's blocks), ``disk`` has 8
+#: threads read and write random 256 KiB blocks of a 1 GiB file in the scratch
+#: directory with O_DIRECT (the disk traffic of the fs tier, without the tier). Each
+#: counts the bytes it moved and prints the count when stopped with SIGTERM; each
+#: gets the scratch directory as its first argument.
 _NEIGHBOUR_COUNTS = (
     "import signal, sys\n"
     "moved = 0\n"
@@ -129,11 +142,37 @@ NEIGHBOURS = {
         "                 dst + rng.integers(0, 1024, 16) * region, region)\n"
         "    moved += 16 * region\n"
     ),
+    "disk": _NEIGHBOUR_COUNTS
+    + (
+        "import mmap, os, random, threading, time\n"
+        "path, size, block = os.path.join(sys.argv[1], 'disk-control'), 1 << 30, 256 << 10\n"
+        "try:\n"
+        "    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)\n"
+        "except OSError as exc:\n"
+        "    sys.exit(f'O_DIRECT unavailable in {sys.argv[1]}: {exc}')\n"
+        "os.unlink(path)\n"
+        "os.ftruncate(fd, size)\n"
+        "counted = threading.Lock()\n"
+        "def work(seed):\n"
+        "    global moved\n"
+        "    buffer, rng = mmap.mmap(-1, block), random.Random(seed)\n"
+        "    buffer.write(bytes([seed]) * block)\n"
+        "    for n in iter(int, 1):\n"
+        "        offset = rng.randrange(size // block) * block\n"
+        "        (os.preadv if n % 2 else os.pwritev)(fd, [buffer], offset)\n"
+        "        with counted:\n"
+        "            moved += block\n"
+        "for seed in range(8):\n"
+        "    threading.Thread(target=work, args=(seed,), daemon=True).start()\n"
+        "while True:\n"
+        "    time.sleep(1)\n"
+    ),
 }
 NEIGHBOUR_WORK = {
     "spin": "a pure-Python loop",
     "copy": "numpy copying 64 MiB in a loop",
     "scatter": "the native bulk copy of 16 random 256 KiB regions in a loop",
+    "disk": "8 threads reading and writing random 256 KiB blocks of a file with O_DIRECT",
 }
 P50_TARGET = 1.10
 P99_TARGET = 1.25
@@ -520,6 +559,12 @@ class Phase:
     wake_s: list[float] = field(default_factory=list)
     #: Steps in which the scheduler thread ran a garbage collection.
     gc_steps: int = 0
+    #: The scheduler thread's CPU time in each ``schedule()`` (empty where the platform
+    #: cannot tell), and the steps in which it blocked (voluntary context switches: the GIL
+    #: or anything else) or was put off its CPU (involuntary ones).
+    cpu_s: list[float] = field(default_factory=list)
+    waited_steps: int = 0
+    preempted_steps: int = 0
 
 
 class SchedulerCollections:
@@ -542,6 +587,17 @@ class SchedulerCollections:
         gc.callbacks.remove(self)
 
 
+def _thread_switches() -> tuple[int, int]:
+    """This thread's (voluntary, involuntary) context switches so far (Linux; (0, 0) elsewhere)."""
+    if _RUSAGE_THREAD is None:
+        return 0, 0
+    usage = resource.getrusage(_RUSAGE_THREAD)
+    return usage.ru_nvcsw, usage.ru_nivcsw
+
+
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+
+
 #: Entered by ``main`` for the run (outside it the count stays put: steps count none).
 _COLLECTIONS = SchedulerCollections()
 
@@ -557,13 +613,21 @@ def run_steps(
     (the GPU's forward pass, during which a real scheduler thread sleeps)."""
     end = time.perf_counter() + seconds
     collections = _COLLECTIONS
+    switches = _thread_switches
     while time.perf_counter() < end:
         before = collections.count
+        waits0, preemptions0 = switches()
+        cpu0 = time.thread_time()
         t0 = time.perf_counter()
         scheduler.step()
         t1 = time.perf_counter()
+        cpu1 = time.thread_time()
+        waits1, preemptions1 = switches()
         if collections.count != before:
             into.gc_steps += 1
+        into.cpu_s.append(cpu1 - cpu0)
+        into.waited_steps += waits1 != waits0
+        into.preempted_steps += preemptions1 != preemptions0
         if between is not None:
             between()
         into.schedule_s.append(t1 - t0)
@@ -641,7 +705,9 @@ def bench_tier(
     return row
 
 
-def bench_neighbour(kind: str, args: argparse.Namespace, pinned: bool = False) -> TierRow:
+def bench_neighbour(
+    kind: str, args: argparse.Namespace, scratch: Path, pinned: bool = False
+) -> TierRow:
     """Steps alone and beside another process running ``NEIGHBOURS[kind]``, in rounds.
 
     The process is stopped (SIGSTOP) during the alone rounds and continued
@@ -655,13 +721,20 @@ def bench_neighbour(kind: str, args: argparse.Namespace, pinned: bool = False) -
     cpus = args.cpus
     os.sched_setaffinity(0, {cpus[0]} if pinned else cpus)
     neighbour = subprocess.Popen(
-        [sys.executable, "-c", NEIGHBOURS[kind]], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", NEIGHBOURS[kind], str(scratch)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     busy_s = 0.0
     try:
         if pinned:
             pin_process(neighbour.pid, frozenset(cpus[1:]))
         time.sleep(0.5)  # started, its arrays allocated
+        if neighbour.poll() is not None:
+            _, err = neighbour.communicate()
+            row.skipped = err.strip().splitlines()[-1] if err.strip() else "it exited at once"
+            return row
         os.kill(neighbour.pid, signal.SIGSTOP)
         scheduler = ToyScheduler(args.running)
         run_steps(scheduler, 0.2, None, Phase())
@@ -678,7 +751,7 @@ def bench_neighbour(kind: str, args: argparse.Namespace, pinned: bool = False) -
         out, _ = neighbour.communicate(timeout=30)
         moved = int(out.split()[-1]) if out.split() else 0
         if moved:
-            row.description += f", {moved / busy_s / 1e9:.1f} GB/s copied"
+            row.description += f", {moved / busy_s / 1e9:.1f} GB/s moved"
     finally:
         neighbour.kill()
         neighbour.wait()
@@ -705,7 +778,23 @@ def _wake(phase: Phase) -> str:
 
 
 def _gc_steps(phase: Phase) -> str:
-    return f"{phase.gc_steps / len(phase.schedule_s):.1%}" if phase.schedule_s else "-"
+    return _share(phase.gc_steps, phase)
+
+
+def _share(steps: int, phase: Phase) -> str:
+    return f"{steps / len(phase.schedule_s):.1%}" if phase.schedule_s else "-"
+
+
+def _cpu_ratio(busy: Phase, alone: Phase) -> str:
+    if not alone.cpu_s or not busy.cpu_s or not min(alone.cpu_s):
+        return "-"
+    return " / ".join(f"{pct(busy.cpu_s, q) / pct(alone.cpu_s, q):.2f}x" for q in (50, 99))
+
+
+def _stalls(phase: Phase) -> str:
+    if _RUSAGE_THREAD is None:
+        return "-"
+    return f"{_share(phase.waited_steps, phase)} / {_share(phase.preempted_steps, phase)}"
 
 
 def report(rows: list[TierRow], args: argparse.Namespace) -> None:
@@ -720,6 +809,8 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         "blocks/s",
         "tier CPU us/block",
         "GC steps",
+        "step CPU p50/p99",
+        "waited / preempted",
         f"p50 <= {P50_TARGET:.2f}x",
         f"p99 <= {P99_TARGET:.2f}x",
     )
@@ -745,6 +836,8 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 "-",
                 "-",
                 _gc_steps(row.alone),
+                "1.00x / 1.00x",
+                _stalls(row.alone),
                 "",
                 "",
             )
@@ -761,6 +854,8 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 "-" if control else f"{row.blocks_per_s:,.0f}",
                 "-" if control else f"{row.loop_cpu_us_per_block:.1f}",
                 _gc_steps(row.busy),
+                _cpu_ratio(row.busy, row.alone),
+                _stalls(row.busy),
                 "met" if r50 <= P50_TARGET else "missed",
                 "met" if r99 <= P99_TARGET else "missed",
             )
@@ -893,7 +988,9 @@ def main(argv: list[str] | None = None) -> None:
         placements = ("thread", "process") if args.isolation == "both" else (args.isolation,)
         pinnings = {"off": (False,), "on": (True,), "both": (False, True)}[args.pin]
         rows = [
-            bench_neighbour(kind, args, pinned) for kind in args.controls for pinned in pinnings
+            bench_neighbour(kind, args, Path(tmp), pinned)
+            for kind in args.controls
+            for pinned in pinnings
         ]
         rows += [
             bench_tier(kind, args, Path(tmp), placement, pinned, gil_hold_ms, gc_here == "on")
