@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import gc
+import logging
+import os
 import threading
 from collections.abc import Iterator
 
@@ -162,6 +164,36 @@ def test_the_collector_thread_collects_when_offered_and_stops_when_closed(
     del kept
 
 
+def test_the_collector_thread_runs_on_the_cpus_it_is_given() -> None:
+    one_cpu = frozenset({max(os.sched_getaffinity(0))})
+    collector = CollectorThread("young-gc-pinned", one_cpu)
+    try:
+        native_id = collector.thread.native_id
+        assert native_id is not None
+        wait_until(lambda: os.sched_getaffinity(native_id) == one_cpu)
+    finally:
+        collector.close()
+
+
+def test_a_collector_thread_that_cannot_be_pinned_warns_and_still_collects(
+    collections: list[tuple[str, int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    no_such_cpu = frozenset({1 << 20})
+    with caplog.at_level(logging.WARNING, logger="tiering.runtime.young_gc"):
+        collector = CollectorThread("young-gc-unpinned", no_such_cpu)
+        try:
+            kept = allocate(PAST)
+            collector.offer()
+            wait_until(lambda: collections)
+        finally:
+            collector.close()
+    assert collections == [("young-gc-unpinned", 0)]
+    (record,) = [r for r in caplog.records if r.name == "tiering.runtime.young_gc"]
+    assert "young-gc-unpinned runs unpinned" in record.getMessage()
+    assert "cpus" in record.getMessage()
+    del kept
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_an_isolated_tier_hands_a_due_collection_to_its_collector_thread(
     collections: list[tuple[str, int]], on: bool
@@ -169,11 +201,16 @@ def test_an_isolated_tier_hands_a_due_collection_to_its_collector_thread(
     host = HostBuffer.create(4, 4096, shared_name=make_shared_name("young-gc"))
     try:
         factory = functools.partial(MemoryTier, capacity_blocks=8)
+        one_cpu = frozenset({max(os.sched_getaffinity(0))})
         with IsolatedTierManager(
-            factory, host, "memory", name="young-gc-iso", gc_handoff=on
+            factory, host, "memory", name="young-gc-iso", gc_handoff=on, cpus=one_cpu
         ) as manager:
             collector = manager._collector
             assert (collector is not None) is on
+            if collector is not None:  # the tier's CPUs, not the scheduler thread's
+                native_id = collector.thread.native_id
+                assert native_id is not None
+                wait_until(lambda: os.sched_getaffinity(native_id) == one_cpu)
             kept = allocate(PAST)
             assert list(manager.get_finished()) == []
             if collector is not None:

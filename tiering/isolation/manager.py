@@ -75,9 +75,10 @@ class IsolatedTierManager(AsyncTierManager):
     ``ring_bytes`` sizes each ring; ``gc_handoff`` (default True) runs the
     garbage collections the scheduler's step would run on a collector thread
     of this process instead (there is no loop thread here; the results it
-    unpickles still allocate). Construction starts the process and
-    returns once the tier is open there; a tier that fails to open raises
-    its own exception here (its type kept when it pickles), and
+    unpickles still allocate), on the CPUs of ``cpus`` when given.
+    Construction starts the process and returns once the tier is open there;
+    a tier that fails to open raises its own exception here (its type kept
+    when it pickles), and
     ``TimeoutError`` if it does not open within ``open_timeout_s`` (plus
     :data:`SPAWN_ALLOWANCE_S` for the interpreter to start).
     """
@@ -200,7 +201,7 @@ class IsolatedTierManager(AsyncTierManager):
         shared, self._touch_supported, self._capacity, self._tier_class = answer
         self._collector: CollectorThread | None = None
         if gc_handoff:  # no loop thread here: the results it unpickles still allocate
-            self._collector = CollectorThread(f"tier-{self.name}-gc")
+            self._collector = CollectorThread(f"tier-{self.name}-gc", self.cpus)
             self._offer_collection = self._collector.offer
         mirror = self._mirror
         self._bind_published(

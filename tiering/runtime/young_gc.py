@@ -29,8 +29,14 @@ nothing of this.
 from __future__ import annotations
 
 import gc
+import logging
 import queue
 import threading
+
+from tiering.errors import ConfigError
+from tiering.runtime.affinity import pin_current_thread
+
+logger = logging.getLogger(__name__)
 
 #: Share of the youngest generation's threshold past which a collection is handed
 #: off the scheduler thread. Lower hands over more, smaller collections; the scheduler's
@@ -77,10 +83,15 @@ class CollectorThread:
     For a scheduler-side process with no loop thread of its own (an isolated
     tier's). :meth:`offer` (the scheduler thread) returns at once and queues at
     most one request at a time; :meth:`close` stops the thread and joins it.
+    ``cpus`` (the tier's ``cpus`` option) is where the thread runs: otherwise it
+    would inherit its creator's, the scheduler thread's, CPUs, and its
+    collections would evict the scheduler's cached data there. If this process
+    may not run on them, it logs a warning and runs where it was started.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, cpus: frozenset[int] | None = None) -> None:
         self._requests: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: collect
+        self._cpus = cpus
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -101,5 +112,9 @@ class CollectorThread:
             self._thread.join(timeout_s)
 
     def _serve(self) -> None:
+        try:
+            pin_current_thread(self._cpus)
+        except ConfigError as exc:  # only slower elsewhere: collections still run
+            logger.warning("%s runs unpinned: %s", self._thread.name, exc)
         while self._requests.get():
             collect_young_generation()
