@@ -587,15 +587,15 @@ class SchedulerCollections:
         gc.callbacks.remove(self)
 
 
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
+
+
 def _thread_switches() -> tuple[int, int]:
     """This thread's (voluntary, involuntary) context switches so far (Linux; (0, 0) elsewhere)."""
     if _RUSAGE_THREAD is None:
         return 0, 0
     usage = resource.getrusage(_RUSAGE_THREAD)
     return usage.ru_nvcsw, usage.ru_nivcsw
-
-
-_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)
 
 
 #: Entered by ``main`` for the run (outside it the count stays put: steps count none).
@@ -777,18 +777,15 @@ def _wake(phase: Phase) -> str:
     return f"{pct(phase.wake_s, 50) * 1e6:.0f} / {pct(phase.wake_s, 99) * 1e6:.0f}"
 
 
-def _gc_steps(phase: Phase) -> str:
-    return _share(phase.gc_steps, phase)
-
-
 def _share(steps: int, phase: Phase) -> str:
     return f"{steps / len(phase.schedule_s):.1%}" if phase.schedule_s else "-"
 
 
 def _cpu_ratio(busy: Phase, alone: Phase) -> str:
-    if not alone.cpu_s or not busy.cpu_s or not min(alone.cpu_s):
+    if not alone.cpu_s or not busy.cpu_s:
         return "-"
-    return " / ".join(f"{pct(busy.cpu_s, q) / pct(alone.cpu_s, q):.2f}x" for q in (50, 99))
+    ratios = [(pct(busy.cpu_s, q), pct(alone.cpu_s, q)) for q in (50, 99)]
+    return " / ".join(f"{b / a:.2f}x" if a else "-" for b, a in ratios)
 
 
 def _stalls(phase: Phase) -> str:
@@ -835,7 +832,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 _wake(row.alone),
                 "-",
                 "-",
-                _gc_steps(row.alone),
+                _share(row.alone.gc_steps, row.alone),
                 "1.00x / 1.00x",
                 _stalls(row.alone),
                 "",
@@ -853,7 +850,7 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 _wake(row.busy),
                 "-" if control else f"{row.blocks_per_s:,.0f}",
                 "-" if control else f"{row.loop_cpu_us_per_block:.1f}",
-                _gc_steps(row.busy),
+                _share(row.busy.gc_steps, row.busy),
                 _cpu_ratio(row.busy, row.alone),
                 _stalls(row.busy),
                 "met" if r50 <= P50_TARGET else "missed",
