@@ -48,7 +48,15 @@ steps in which that thread blocked (a voluntary context switch: waiting for
 the GIL or anything else) and "preempted" the share in which the kernel put
 another thread on its CPU (an involuntary one). A p50/p99 ratio with the CPU
 ratio beside it and no waited or preempted steps is the shared hardware, the
-class of the ``copy`` control, not the tier's GIL. Control rows come first
+class of the ``copy`` control, not the tier's GIL. "alone A/A" on each alone
+row is the noise floor: the alone rounds' even half against their odd half
+(identical steps), and a line under the table gives its range over the run's
+rows; a tier's ratio inside that range is not told apart from the noise.
+"paired p50 ratio" is the median over rounds of a round's p50 over that of
+the alone round just before it (on an alone row, alone round against alone
+round: the A/A of this estimator), which a drift of the machine slower than a
+round does not move; the verdicts stay on the pooled ratios.
+Control rows come first
 (``--controls spin copy scatter disk``, the default): the same steps beside another
 process on the other CPU that does no tiering (a pure-Python loop; numpy copying
 64 MiB over and over; random 256 KiB regions copied as a tier copies its
@@ -69,6 +77,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -565,6 +574,20 @@ class Phase:
     cpu_s: list[float] = field(default_factory=list)
     waited_steps: int = 0
     preempted_steps: int = 0
+    #: Where each round's steps begin in ``schedule_s`` (one ``run_steps`` call per round).
+    round_starts: list[int] = field(default_factory=list)
+
+    def rounds(self) -> list[list[float]]:
+        """The ``schedule()`` times of each round, in order."""
+        ends = [*self.round_starts[1:], len(self.schedule_s)]
+        return [self.schedule_s[a:b] for a, b in zip(self.round_starts, ends, strict=True)]
+
+    def alternate_rounds(self) -> tuple[list[float], list[float]]:
+        """The ``schedule()`` times of the even rounds and of the odd ones."""
+        halves: tuple[list[float], list[float]] = ([], [])
+        for i, steps in enumerate(self.rounds()):
+            halves[i % 2].extend(steps)
+        return halves
 
 
 class SchedulerCollections:
@@ -611,6 +634,7 @@ def run_steps(
 ) -> None:
     """Steps back to back for ``seconds``; ``forward_s`` of GIL-free waiting after each
     (the GPU's forward pass, during which a real scheduler thread sleeps)."""
+    into.round_starts.append(len(into.schedule_s))
     end = time.perf_counter() + seconds
     collections = _COLLECTIONS
     switches = _thread_switches
@@ -788,6 +812,38 @@ def _cpu_ratio(busy: Phase, alone: Phase) -> str:
     return " / ".join(f"{b / a:.2f}x" if a else "-" for b, a in ratios)
 
 
+def _alone_spread(alone: Phase) -> tuple[float, float] | None:
+    """How far apart identical steps measure: the alone rounds' even half against their odd
+    half, p50 and p99, each as the larger over the smaller (None under 2 rounds)."""
+    even, odd = alone.alternate_rounds()
+    if not even or not odd:
+        return None
+    spread = []
+    for q in (50, 99):
+        low, high = sorted((pct(even, q), pct(odd, q)))
+        spread.append(high / low if low else float("inf"))
+    return spread[0], spread[1]
+
+
+def _paired_p50(later: list[list[float]], earlier: list[list[float]]) -> str:
+    """The median over rounds of each round's p50 over the p50 of the round just before it.
+
+    Rounds seconds apart see the same machine, so a drift slower than a round (another
+    guest's burst) cancels out of each pair; pooled percentiles keep it.
+    """
+    ratios = [
+        pct(b, 50) / pct(a, 50)
+        for a, b in zip(earlier, later, strict=False)
+        if a and b and pct(a, 50) > 0
+    ]
+    return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+
+
+def _spread_cell(alone: Phase) -> str:
+    spread = _alone_spread(alone)
+    return "-" if spread is None else f"{spread[0]:.2f}x / {spread[1]:.2f}x"
+
+
 def _stalls(phase: Phase) -> str:
     if _RUSAGE_THREAD is None:
         return "-"
@@ -808,6 +864,8 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         "GC steps",
         "step CPU p50/p99",
         "waited / preempted",
+        "alone A/A p50/p99",
+        "paired p50 ratio",
         f"p50 <= {P50_TARGET:.2f}x",
         f"p99 <= {P99_TARGET:.2f}x",
     )
@@ -835,6 +893,8 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 _share(row.alone.gc_steps, row.alone),
                 "1.00x / 1.00x",
                 _stalls(row.alone),
+                _spread_cell(row.alone),
+                _paired_p50(row.alone.rounds()[1:], row.alone.rounds()[:-1]),
                 "",
                 "",
             )
@@ -853,6 +913,8 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 _share(row.busy.gc_steps, row.busy),
                 _cpu_ratio(row.busy, row.alone),
                 _stalls(row.busy),
+                "",
+                _paired_p50(row.busy.rounds(), row.alone.rounds()),
                 "met" if r50 <= P50_TARGET else "missed",
                 "met" if r99 <= P99_TARGET else "missed",
             )
@@ -869,6 +931,17 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
         )
     print_markdown_table(header, lines)
     print()
+    spreads = [s for row in rows if not row.skipped and (s := _alone_spread(row.alone))]
+    if spreads:
+        print(
+            f"- alone A/A: each row's alone rounds split in two (even rounds against odd ones, "
+            f"the larger over the smaller), identical steps seconds apart: "
+            f"p50 {min(s[0] for s in spreads):.2f}-{max(s[0] for s in spreads):.2f}x, "
+            f"p99 {min(s[1] for s in spreads):.2f}-{max(s[1] for s in spreads):.2f}x over "
+            f"{len(spreads)} rows. A ratio inside that range is not told apart from the "
+            f"machine's own noise in this run (each half holds half the steps, so its p99 is "
+            f"the rougher estimate)."
+        )
     print("\n".join(notes))
 
 
