@@ -16,8 +16,11 @@ CUDA (only where a device exists): the same jobs between a CUDA KV tensor and
 the pinned primary buffer, per strategy, against one ``cudaMemcpyAsync`` of a
 pinned buffer of the same size. Target: >= 80 %.
 
-Figures are medians of ``--reps`` runs; machines are noisy, compare ratios.
-Run: ``.venv/bin/python benchmarks/copy_engine.py [--job-mib 64] [--reps 7]``.
+Figures are medians of ``--reps`` runs (31 by default: with 7, one row in
+three runs fell 19-46 points below its neighbours' figure from the host's
+bursts; a run takes about 20 s either way, most of it building the arrays);
+machines are noisy, compare ratios.
+Run: ``.venv/bin/python benchmarks/copy_engine.py [--job-mib 64] [--reps 31]``.
 """
 
 from __future__ import annotations
@@ -239,7 +242,7 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
 def main(argv: Any = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job-mib", type=int, default=64, help="bytes moved per job (MiB)")
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per row")
+    parser.add_argument("--reps", type=int, default=31, help="timed repetitions per row")
     parser.add_argument("--no-layers", action="store_true", help="skip the 8-layer rows")
     args = parser.parse_args(argv)
     job_bytes = args.job_mib * MIB
