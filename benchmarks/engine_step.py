@@ -831,11 +831,8 @@ def _paired_p50(later: list[list[float]], earlier: list[list[float]]) -> str:
     Rounds seconds apart see the same machine, so a drift slower than a round (another
     guest's burst) cancels out of each pair; pooled percentiles keep it.
     """
-    ratios = [
-        pct(b, 50) / pct(a, 50)
-        for a, b in zip(earlier, later, strict=False)
-        if a and b and pct(a, 50) > 0
-    ]
+    medians = [(pct(a, 50), pct(b, 50)) for a, b in zip(earlier, later, strict=False) if a and b]
+    ratios = [b / a for a, b in medians if a > 0]
     return f"{statistics.median(ratios):.2f}x" if ratios else "-"
 
 

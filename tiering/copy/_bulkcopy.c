@@ -263,15 +263,15 @@ static void copy_all(const uint64_t *s, const uint64_t *d, const uint64_t *l, ui
             prefetch_region((const char *)(uintptr_t)s[j], (char *)(uintptr_t)d[j],
                             l ? l[j] : same);
         }
-        if (i + 1 < n) {
-            uint64_t next_len = l ? l[i + 1] : same;
-            if (next_len <= PREFETCH_LINES_MAX_BYTES && s[i + 1] != s[i] + (l ? l[i] : same)) {
-                prefetch_source_lines((const char *)(uintptr_t)s[i + 1], next_len);
-            }
-        }
         char *dst = (char *)(uintptr_t)d[i];
         const char *src = (const char *)(uintptr_t)s[i];
         size_t len = (size_t)(l ? l[i] : same);
+        if (i + 1 < n) {
+            uint64_t next_len = l ? l[i + 1] : same;
+            if (next_len <= PREFETCH_LINES_MAX_BYTES && s[i + 1] != s[i] + len) {
+                prefetch_source_lines((const char *)(uintptr_t)s[i + 1], next_len);
+            }
+        }
 #if defined(__SSE2__)
         int large = len >= LARGE_REGION_BYTES;
         /* A region overlapping itself needs memmove's direction handling. */
