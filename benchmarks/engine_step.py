@@ -57,11 +57,12 @@ the alone round just before it (on an alone row, alone round against alone
 round: the A/A of this estimator), which a drift of the machine slower than a
 round does not move; the verdicts stay on the pooled ratios.
 Control rows come first
-(``--controls spin copy scatter disk``, the default): the same steps beside another
-process on the other CPU that does no tiering (a pure-Python loop; numpy copying
-64 MiB over and over; random 256 KiB regions copied as a tier copies its
-blocks; random 256 KiB O_DIRECT reads and writes of a file, the fs tier's disk
-traffic), the machine's own floor under the tier rows. Figures of a
+(``--controls spin copy scatter hash disk``, the default): the same steps beside
+another process on the other CPU that does no tiering (a pure-Python loop; numpy
+copying 64 MiB over and over; random 256 KiB regions copied as a tier copies its
+blocks; random 256 KiB regions checksummed and evicted from the caches as a tier
+checksums its blocks; random 256 KiB O_DIRECT reads and writes of a file, the fs
+tier's disk traffic), the machine's own floor under the tier rows. Figures of a
 shared machine are noisy: compare within one run.
 """
 
@@ -111,7 +112,10 @@ TIERS = ("memory", "fs-threads", "fs-uring", "redis")
 #: over and over with numpy (memory bandwidth and the shared cache, as a tier
 #: moving bytes at full speed does), ``scatter`` copies 16 regions of 256 KiB at
 #: random places of a 64 MiB pool into a 256 MiB one per call, through the
-#: library's own bulk copy (the access pattern of a tier's blocks), ``disk`` has 8
+#: library's own bulk copy (the access pattern of a tier's blocks), ``hash`` takes
+#: the xxh3-128 of random 256 KiB regions of a 256 MiB pool and evicts each from
+#: the caches once hashed (what the tiers do with every block's checksum,
+#: :mod:`tiering.copy.caches`), ``disk`` has 8
 #: threads read and write random 256 KiB blocks of a 1 GiB file in the scratch
 #: directory with O_DIRECT (the disk traffic of the fs tier, without the tier). Each
 #: counts the bytes it moved and prints the count when stopped with SIGTERM; each
@@ -151,6 +155,20 @@ NEIGHBOURS = {
         "                 dst + rng.integers(0, 1024, 16) * region, region)\n"
         "    moved += 16 * region\n"
     ),
+    "hash": _NEIGHBOUR_COUNTS
+    + (
+        "import random, numpy as np, xxhash\n"
+        "from tiering.copy.caches import evict_block\n"
+        "region = 256 << 10\n"
+        "pool = memoryview(np.ones(256 << 20, np.uint8))\n"
+        "rng = random.Random(0)\n"
+        "while True:\n"
+        "    at = rng.randrange(1024) * region\n"
+        "    block = pool[at:at + region]\n"
+        "    xxhash.xxh3_128_intdigest(block)\n"
+        "    evict_block(block)\n"
+        "    moved += region\n"
+    ),
     "disk": _NEIGHBOUR_COUNTS
     + (
         "import mmap, os, random, threading, time\n"
@@ -181,6 +199,7 @@ NEIGHBOUR_WORK = {
     "spin": "a pure-Python loop",
     "copy": "numpy copying 64 MiB in a loop",
     "scatter": "the native bulk copy of 16 random 256 KiB regions in a loop",
+    "hash": "xxh3-128 of random 256 KiB regions, each evicted from the caches once hashed",
     "disk": "8 threads reading and writing random 256 KiB blocks of a file with O_DIRECT",
 }
 P50_TARGET = 1.10

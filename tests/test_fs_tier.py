@@ -26,6 +26,8 @@ from tests.fs_support import (
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError, TierClosedError
 from tiering.tier import TierContext
 from tiers.fs import RootInUseError, TierFullError
+from tiers.fs import reads as fs_reads
+from tiers.fs import writes as fs_writes
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 
 
@@ -61,6 +63,27 @@ async def test_odd_block_sizes_and_unaligned_buffers(tmp_path: Path, block_bytes
         await tier.read_many(keys, outs)
         for k, out in zip(keys, outs, strict=True):
             assert bytes(out) == block_data(k, block_bytes)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_every_block_leaves_the_caches_once_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Stores evict each block once hashed, loads once the read bytes checked out."""
+    evicted: list[bytes] = []
+    for module in (fs_reads, fs_writes):
+        monkeypatch.setattr(module, "evict_block", lambda block: evicted.append(bytes(block)))
+    keys = [key(i) for i in range(6)]
+    src, dst = Rows(6), Rows(6)
+    for i, k in enumerate(keys):
+        src.row(i)[:] = block_data(k)
+    async with opened(tmp_path, io_backend=backend) as tier:
+        await tier.write_many(keys, src.rows(6))
+        assert sorted(evicted) == sorted(block_data(k) for k in keys)
+        evicted.clear()
+        await tier.read_many(keys, dst.rows(6))
+    assert bytes(dst.view) == bytes(src.view)
+    assert sorted(evicted) == sorted(block_data(k) for k in keys)  # as read, not before
 
 
 async def test_restart_finds_every_block_and_reads_it_back(tmp_path: Path) -> None:

@@ -96,6 +96,10 @@ assert (dst.reshape(640, 8192) == src.reshape(640, 8192)[::-1]).all()
 dst[:] = 0
 bulk.copy_regions([src.ctypes.data + 1], [dst.ctypes.data + 3], 200_003)
 assert (dst[3:200_006] == src[1:200_004]).all() and not dst[200_006:].any()
+# ...and a block's lines evicted once read (CLFLUSHOPT or CLFLUSH): its bytes unchanged.
+from tiering.copy.caches import evict_block
+evict_block(memoryview(dst)[5:(1 << 20) + 5])
+assert (dst[3:200_006] == src[1:200_004]).all() and not dst[200_006:].any()
 print("bulk copies:", bulk.active_mode())
 figure = plt.figure(); figure.gca().plot([1, 2]); figure.savefig(__import__("io").BytesIO())
 print("extras ok")

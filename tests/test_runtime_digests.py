@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tiering.keys import make_offload_key
+from tiering.runtime import digests as digests_module
 from tiering.runtime.digests import StoredDigests, block_checksum
 
 
@@ -23,6 +25,14 @@ def test_record_replaces_and_forget_drops() -> None:
     assert digests.get(key) == block_checksum(memoryview(b"b" * 64)) and len(digests) == 1
     digests.forget(key)
     assert digests.get(key) is None
+
+
+def test_a_block_is_evicted_from_the_caches_once_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    evicted: list[bytes] = []
+    monkeypatch.setattr(digests_module, "evict_block", lambda block: evicted.append(bytes(block)))
+    block = memoryview(bytes(range(256)) * 256)
+    assert block_checksum(block) == xxhash.xxh3_64_intdigest(block)
+    assert evicted == [bytes(block)]
 
 
 @given(stores=st.lists(st.integers(0, 30), max_size=200), bound=st.integers(1, 10))

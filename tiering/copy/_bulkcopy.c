@@ -37,6 +37,11 @@
  *             costs more than the copies).
  * The caller guarantees every region lies inside memory it holds for the
  * call; no region's destination may overlap another region's source.
+ *
+ * evict_lines(buffer, release_gil_from_bytes)
+ *   the same line flush over a whole contiguous buffer a tier has read for
+ *   good (a block once checksummed: tiering/copy/caches.py), the GIL released
+ *   for buffers of at least release_gil_from_bytes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -364,10 +369,52 @@ done:
     return result;
 }
 
+/* Drop every line of a buffer from the caches (see evict_lines in methods[]). */
+static void evict_range(const char *start, size_t n, enum source_flush how) {
+#if defined(HAVE_LINE_FLUSH)
+    for (uintptr_t line = (uintptr_t)start & ~(uintptr_t)63; line < (uintptr_t)start + n;
+         line += 64) {
+        flush_line((const char *)line, how);
+    }
+#else
+    (void)start;
+    (void)n;
+    (void)how;
+#endif
+}
+
+static PyObject *evict_lines(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t release_from;
+    if (!PyArg_ParseTuple(args, "On:evict_lines", &obj, &release_from)) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_ANY_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    if (source_flush != FLUSH_NONE && view.len > 0) {
+        if (release_from >= 0 && view.len >= release_from) {
+            Py_BEGIN_ALLOW_THREADS
+            evict_range((const char *)view.buf, (size_t)view.len, source_flush);
+            Py_END_ALLOW_THREADS
+        } else {
+            evict_range((const char *)view.buf, (size_t)view.len, source_flush);
+        }
+    }
+    PyBuffer_Release(&view);
+    return Py_NewRef(Py_None);
+}
+
 static PyMethodDef methods[] = {
     {"copy_regions", copy_regions, METH_VARARGS,
      "copy_regions(src, dst, lengths, release_gil_from_bytes): memmove each region; the GIL "
      "is released once for all of them when they total at least release_gil_from_bytes."},
+    {"evict_lines", evict_lines, METH_VARARGS,
+     "evict_lines(buffer, release_gil_from_bytes): drop every cache line of a contiguous "
+     "buffer from the CPU caches (a dirty line is written back first; the bytes stay in "
+     "memory), as the copies evict their sources' lines (SOURCE_FLUSH says how; a no-op "
+     "where it is 'none'). The GIL is released from release_gil_from_bytes on."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,3 +13,5 @@ def copy_regions(
 #: How regions of 64 KiB or more evict their source lines once read:
 #: "clflushopt", "clflush" (x86-64 without CLFLUSHOPT) or "none" (other CPUs).
 SOURCE_FLUSH: str
+
+def evict_lines(buffer: Any, release_gil_from_bytes: int, /) -> None: ...

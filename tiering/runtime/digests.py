@@ -14,12 +14,19 @@ from collections import OrderedDict
 
 import xxhash
 
+from tiering.copy.caches import evict_block
 from tiering.keys import OffloadKey
 
 
 def block_checksum(block: memoryview) -> int:
-    """xxh3-64 of a block (xxhash releases the GIL while hashing large buffers)."""
-    return xxhash.xxh3_64_intdigest(block)
+    """xxh3-64 of a block (xxhash releases the GIL while hashing large buffers).
+
+    The block's lines are evicted from the CPU caches once hashed: the caller
+    is done reading it (:mod:`tiering.copy.caches`).
+    """
+    digest = xxhash.xxh3_64_intdigest(block)
+    evict_block(block)
+    return digest
 
 
 class StoredDigests:

@@ -15,6 +15,7 @@ import functools
 import logging
 from collections.abc import Sequence
 
+from tiering.copy.caches import evict_block
 from tiering.errors import BlockNotFound, CorruptBlock
 from tiering.keys import OffloadKey
 from tiers.fs.index import Entry
@@ -90,6 +91,7 @@ def _settle_read(state: OpenState, op: IoOp, *, group: list[Block]) -> None:
             block.error = CorruptBlock(block.key, "checksum mismatch")
         elif state.auth is not None:
             block.error = _authentication_error(state, block.key, block.view, entry)
+        evict_block(block.view)  # read for good: out of the caches the scheduler shares
 
 
 def _drop(state: OpenState, key: OffloadKey, entry: Entry, why: BaseException) -> None:

@@ -17,6 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from tiering.auth import BlockAuthenticator
+from tiering.copy.caches import evict_block
 from tiering.errors import TierClosedError
 from tiering.keys import OffloadKey
 from tiers.fs.deletion import FilesDeletedError
@@ -220,6 +221,7 @@ async def _seal_blocks(
         block.checksum = checksum(block.view)
         if auth is not None:
             block.tag = auth.tag(block.key, fingerprint, block.view)
+        evict_block(block.view)  # read for good: out of the caches the scheduler shares
         budget -= block.view.nbytes
         if budget <= 0:
             budget = _HASH_SLICE_BYTES
