@@ -26,7 +26,7 @@ A second table shows what the scheduler thread feels: a pure-Python
 scheduler-like batch (the one of ``benchmarks/facade.py``) runs on the main
 thread alone, then while a Redis tier stores and loads flat out on its own
 event-loop thread, for payload copies with the GIL held (memoryview slice
-assignment: before) and released (numpy, the tier's path for blocks of at
+assignment: before) and released (the bulk copy, the tier's path for blocks of at
 least ``GIL_FREE_COPY_BYTES``: after). It reports the batch's p50 and p99
 slowdown against the alone runs around it, and the tier's GB/s meanwhile.
 

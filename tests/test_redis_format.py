@@ -371,7 +371,15 @@ def test_auth_settings_are_checked_at_construction(monkeypatch: pytest.MonkeyPat
     assert not RedisTier().verifies_reads
 
 
-@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["numpy-copies", "memoryview-copies"])
+@pytest.mark.parametrize("nbytes", [1000, 1 << 20])
+def test_a_copy_between_buffers_of_two_sizes_is_refused_untouched(nbytes: int) -> None:
+    dest = bytearray(b"\xee" * (nbytes + 1))
+    with pytest.raises(ValueError, match=f"copying {nbytes} bytes into a buffer of {nbytes + 1}"):
+        layout_module.copy_bytes(memoryview(dest), memoryview(bytes(nbytes)))
+    assert dest == b"\xee" * (nbytes + 1)
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["bulk-copies", "memoryview-copies"])
 @pytest.mark.parametrize("authenticated", [False, True], ids=["plain", "auth"])
 def test_both_copy_paths_round_trip_and_reject(
     monkeypatch: pytest.MonkeyPatch, threshold: int, authenticated: bool

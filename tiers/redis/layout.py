@@ -41,10 +41,10 @@ from __future__ import annotations
 import re
 import struct
 
-import numpy as np
 import xxhash
 
 from tiering.auth import TAG_BYTES, BlockAuthenticator
+from tiering.copy.bulk import address_of, copy_regions
 from tiering.keys import OffloadKey
 from tiers.redis.errors import RejectedValue
 
@@ -60,11 +60,12 @@ AUTH_HEADER_LEN = _AUTH_HEADER.size
 #: Every format starts with these fields.
 _COMMON = struct.Struct("<4sBBHQQQ")
 
-#: Payload copies of at least this many bytes go through numpy, which releases the
-#: GIL while it copies: the scheduler thread keeps running Python during a large
-#: block's copy. Smaller copies (a few microseconds) are cheaper than handing the
-#: GIL over and back, and barely delay anyone.
-GIL_FREE_COPY_BYTES = 256 << 10
+#: Payload copies of at least this many bytes go through the bulk copy, which
+#: releases the GIL while it copies (the scheduler thread keeps running Python
+#: during a large block's copy) and keeps the block out of the shared caches.
+#: Smaller copies (a few microseconds) are cheaper than handing the GIL over and
+#: back, and barely delay anyone.
+GIL_FREE_COPY_BYTES = 64 << 10
 
 #: Namespaces become part of every key: keep them printable, short, and free of
 #: the ``{}`` that Redis Cluster reads as a hash tag.
@@ -242,15 +243,23 @@ _CHECKSUM = struct.Struct("<Q")
 
 
 def copy_bytes(dest: memoryview, source: memoryview) -> None:
-    """Copy ``source`` into ``dest`` (same size, C-contiguous), without the GIL when large."""
+    """Copy ``source`` into ``dest`` (same size, C-contiguous), without the GIL when large.
+
+    Large copies go through the library's bulk copy: besides releasing the
+    GIL, it writes with non-temporal stores and evicts the source's lines once
+    read, so a block passing through this core does not push the scheduler's
+    lines out of the cache they share (``docs/copy-engine.md``).
+    """
+    if dest.nbytes != source.nbytes:
+        raise ValueError(f"copying {source.nbytes} bytes into a buffer of {dest.nbytes}")
+    if dest.nbytes >= GIL_FREE_COPY_BYTES:
+        copy_regions([address_of(source)], [address_of(dest)], dest.nbytes)
+        return
     if dest.format != "B" or dest.ndim != 1:
         dest = dest.cast("B")
     if source.format != "B" or source.ndim != 1:
         source = source.cast("B")
-    if dest.nbytes >= GIL_FREE_COPY_BYTES:
-        np.copyto(np.frombuffer(dest, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
-    else:
-        dest[:] = source
+    dest[:] = source
 
 
 class ValueBuffers:
