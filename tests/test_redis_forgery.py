@@ -51,6 +51,7 @@ from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
 from tiering.spec import TieringOffloadingSpec
 from tiers.redis import RedisTier
+from tiers.redis.deletes import delete_rejected
 from tiers.redis.errors import RejectedValue
 from tiers.redis.layout import AUTH_HEADER_LEN, BlockLayout
 from tiers.redis.rejections import RejectionLog
@@ -299,7 +300,9 @@ async def test_a_value_rewritten_after_the_read_is_not_deleted(redis_server: Red
             rejected = RejectedValue(key, "malformed", "test")
             rejected.value_sha1 = caught.value.value_sha1
             raw.set(name, good)
-            await tier._drop_rejected([rejected])
+            await delete_rejected(
+                tier._round_trips, tier._require_layout(), [rejected], tier.stats, None
+            )
             assert raw.get(name) == good
         assert await read_back(tier, key) == block
         assert tier.stats.rejected_deleted == 1

@@ -63,7 +63,7 @@ async def read_back(tier: RedisTier, key: OffloadKey) -> bytes:
 
 def count_round_trips(tier: RedisTier) -> list[int]:
     """Spy on the tier's client: one entry (the command count) per pipeline executed."""
-    client: Any = tier._client
+    client: Any = tier._round_trips.client
     real_pipeline = client.pipeline
     executed: list[int] = []
 

@@ -4,7 +4,9 @@ One Redis string per block (see :mod:`tiers.redis.layout`), written and read
 with pipelines: a job's blocks travel in one round trip per node (redis-py's
 cluster pipeline groups commands per node and runs the nodes concurrently).
 Jobs larger than ``max_pipeline_bytes`` are split into several round trips so
-neither side buffers an unbounded request.
+neither side buffers an unbounded request. The round trips themselves (the
+client, the outage gate, the time budget) live in :mod:`tiers.redis.round_trips`,
+and the deletes that must spare a value rewritten since in :mod:`tiers.redis.deletes`.
 
 The server's contents change behind our back (other engines write, the server
 evicts under ``maxmemory``, keys expire), so the tier is ``shared``: the
@@ -20,7 +22,7 @@ import hashlib
 import logging
 import ssl
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, NamedTuple
 
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
@@ -28,7 +30,6 @@ from tiering.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 from tiers.redis.config import RedisTierConfig
 from tiers.redis.connection import (
-    RedisClient,
     build_client,
     diagnose_tls_refusal,
     is_credentials_error,
@@ -36,24 +37,21 @@ from tiers.redis.connection import (
     tls_failure,
     translate,
 )
+from tiers.redis.deletes import delete_if_header, delete_rejected
 from tiers.redis.errors import (
     RedisTierCommandError,
     RedisTierTimeout,
     RedisTierUnavailable,
     RejectedValue,
 )
-from tiers.redis.gate import ReconnectGate
 from tiers.redis.layout import BlockLayout, ValueBuffers
 from tiers.redis.rejections import RejectionLog
+from tiers.redis.round_trips import RoundTrips
 from tiers.redis.stats import RedisTierStats
 
 logger = logging.getLogger(__name__)
 
 _SETTINGS = frozenset(field.name for field in dataclasses.fields(RedisTierConfig) if field.init)
-
-#: What one pipeline command produced: a reply, or the error for that command.
-Reply = Any
-FillPipeline = Callable[[Any], None]
 
 
 class RedisTier(AsyncTier):
@@ -89,15 +87,8 @@ class RedisTier(AsyncTier):
         # for a job to be one round trip. Connections are bounded separately.
         self.max_concurrency = self.config.max_blocks_in_flight
         self.stats = RedisTierStats()
-        self._gate = ReconnectGate(
-            self.config.reconnect_interval_s, self.config.max_reconnect_interval_s
-        )
-        # Worst case for one round trip: re-dial a dead pooled connection, then wait
-        # out the reply; redis-py's own timeouts normally end it well before this.
-        self._round_trip_budget_s = 2 * (self.config.connect_timeout_s + self.config.op_timeout_s)
-        self._client: RedisClient | None = None
+        self._round_trips = RoundTrips(self.config, self.stats, self._name)
         self._layout: BlockLayout | None = None
-        self._connections: asyncio.Semaphore | None = None
         self._buffers: ValueBuffers | None = None
         self._rejections: RejectionLog | None = None
         # Headers of the values the last loads served, by key: a delete right after a
@@ -125,19 +116,19 @@ class RedisTier(AsyncTier):
             self._authenticator,
         )
         self._rejections = RejectionLog(logger, f"redis tier {context.name!r}")
-        self._connections = asyncio.Semaphore(self.config.max_connections)
         # Enough reusable value buffers for one full pipeline.
         self._buffers = ValueBuffers(
             self._layout.value_len, self.config.max_pipeline_bytes // self._layout.value_len
         )
-        self._client = build_client(self.config)
+        client = build_client(self.config)
         # Loads verify and copy each value while redis-py parses the pipeline's replies,
         # with the value still hot in cache, and drop it at once (see _load_reply).
         for command in ("GET", "GETEX"):
-            self._client.set_response_callback(command, self._load_reply)
+            client.set_response_callback(command, self._load_reply)
+        self._round_trips.start(client)
         try:
-            async with asyncio.timeout(self._round_trip_budget_s):
-                await self._client.ping()
+            async with asyncio.timeout(self._round_trips.budget_s):
+                await client.ping()
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 await self.aclose()
@@ -154,7 +145,7 @@ class RedisTier(AsyncTier):
             if not degrade:
                 await self.aclose()
                 raise self._open_error(exc, tls_error) from exc
-            self._note_unreachable(log=False)
+            self._round_trips.note_unreachable(log=False)
             logger.warning(
                 "%s: Redis at %s is unreachable at start (%s); the tier reports misses "
                 "and retries the connection (on_start_unreachable='degrade')",
@@ -195,9 +186,7 @@ class RedisTier(AsyncTier):
 
         Cancellation: connections not yet closed are dropped with the client.
         """
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        await self._round_trips.aclose()
 
     # -- the tier API ----------------------------------------------------------------------
 
@@ -226,7 +215,7 @@ class RedisTier(AsyncTier):
                 pipe.strlen(name)
 
         try:
-            replies = await self._round_trip("STRLEN", fill)
+            replies = await self._round_trips.run("STRLEN", fill)
         except (RedisTierUnavailable, RedisTierTimeout):
             return [False] * len(keys)
         return [reply == layout.value_len for reply in replies]
@@ -285,7 +274,7 @@ class RedisTier(AsyncTier):
                         pipe.execute_command("GETEX", name, "PX", ttl_ms, kvt_load=load)
 
             try:
-                replies = await self._round_trip("GET", fill)
+                replies = await self._round_trips.run("GET", fill)
             except Exception as exc:
                 errors.update(dict.fromkeys(chunk, exc))
                 continue
@@ -320,7 +309,7 @@ class RedisTier(AsyncTier):
         if gone or corrupt:
             self.report_removed(gone + [OffloadKey(r.key) for r in corrupt])
         if corrupt:
-            await self._drop_rejected(corrupt)
+            await delete_rejected(self._round_trips, layout, corrupt, self.stats, self._rejections)
         if errors:
             raise PartialBatchError(succeeded, errors)
 
@@ -360,7 +349,7 @@ class RedisTier(AsyncTier):
                     pipe.execute_command("SET", name, value, *expiry)
 
             try:
-                replies = await self._round_trip("SET", fill)
+                replies = await self._round_trips.run("SET", fill)
             except Exception as exc:
                 errors.update(dict.fromkeys(chunk, exc))
                 continue
@@ -399,12 +388,9 @@ class RedisTier(AsyncTier):
         name = layout.redis_key(key)
         header = self._served_headers.pop(key, None)
         if header is None:
-            (reply,) = await self._round_trip("DEL", lambda pipe: pipe.delete(name))
+            (reply,) = await self._round_trips.run("DEL", lambda pipe: pipe.delete(name))
         else:
-            (reply,) = await self._round_trip(
-                "DEL",
-                lambda pipe: pipe.execute_command("EVAL", _DELETE_IF_HEADER, 1, name, header),
-            )
+            (reply,) = await self._round_trips.run("DEL", delete_if_header(name, header))
         if isinstance(reply, BaseException):
             raise self._translate(reply, "DEL", key)
 
@@ -428,7 +414,7 @@ class RedisTier(AsyncTier):
                     pipe.pexpire(name, ttl_ms)
 
         try:
-            await self._round_trip("TOUCH", fill)
+            await self._round_trips.run("TOUCH", fill)
         except (RedisTierUnavailable, RedisTierTimeout):
             return
 
@@ -449,116 +435,14 @@ class RedisTier(AsyncTier):
         per_chunk = max(1, self.config.max_pipeline_bytes // self._require_layout().value_len)
         return [(lo, min(lo + per_chunk, count)) for lo in range(0, count, per_chunk)]
 
-    def _where(self, op: str) -> str:
-        name = self._context.name if self._context is not None else "redis"
-        return f"redis tier {name!r} {op} on {self.config.safe_url()}"
+    def _name(self) -> str:
+        return self._context.name if self._context is not None else "redis"
 
     def _translate(self, exc: BaseException, op: str, key: OffloadKey) -> BaseException:
-        error = translate(exc, f"{self._where(op)} of block {key.hex()}")
+        error = translate(exc, f"{self._round_trips.where(op)} of block {key.hex()}")
         if isinstance(error, RedisTierCommandError) and error.out_of_memory:
             self.stats.out_of_memory_rejections += 1
         return error
-
-    async def _round_trip(self, op: str, fill: FillPipeline) -> list[Reply]:
-        """Run one pipeline filled by ``fill``: one round trip per node.
-
-        Returns one reply per command; a command the server refused comes back
-        as its exception. Raises (translated) when the whole round trip fails,
-        and :class:`RedisTierUnavailable` at once while the server is known to
-        be down. Never takes longer than the round-trip budget.
-        """
-        client = self._client
-        if client is None or self._connections is None:
-            raise RedisTierUnavailable(f"{self._where(op)}: the tier is closed")
-        if not self._gate.admit():
-            self.stats.refused_while_down += 1
-            raise RedisTierUnavailable(
-                f"{self._where(op)}: server unreachable; next connection attempt in "
-                f"{self._gate.seconds_until_probe():.1f}s"
-            )
-        async with self._connections:
-            try:
-                async with asyncio.timeout(self._round_trip_budget_s):
-                    if self.config.cluster:
-                        replies = await self._cluster_round_trip(client, fill)
-                    else:
-                        pipe = client.pipeline(transaction=False)
-                        fill(pipe)
-                        replies = await pipe.execute(raise_on_error=False)
-            except Exception as exc:
-                error = translate(exc, self._where(op))
-                if isinstance(error, RedisTierTimeout):
-                    self.stats.timeouts += 1
-                if is_unreachable(exc):
-                    self._note_unreachable()
-                raise error from exc
-        self._note_reachable()
-        return replies
-
-    async def _cluster_round_trip(self, client: Any, fill: FillPipeline) -> list[Reply]:
-        """One pipeline per node, concurrently: a node that is down fails only its commands.
-
-        (redis-py's cluster pipeline fails every command of the pipeline when
-        one node cannot be reached.) Raises the first node's error when every
-        node failed, so a cluster-wide outage still closes the gate.
-        """
-        commands = _Commands()
-        fill(commands)
-        groups: dict[str, list[int]] = {}
-        replies: list[Reply] = [None] * len(commands.queue)
-        for index, (args, _) in enumerate(commands.queue):
-            try:
-                node = client.get_node_from_key(_key_of(args))
-            except Exception as exc:  # a slot no node covers (CLUSTERDOWN)
-                replies[index] = exc
-                continue
-            groups.setdefault(node.name, []).append(index)
-        pipes = []
-        for indices in groups.values():
-            pipe = client.pipeline()
-            for index in indices:
-                args, options = commands.queue[index]
-                pipe.execute_command(*args, **options)
-            pipes.append(pipe)
-        outcomes = await asyncio.gather(
-            *(pipe.execute(raise_on_error=False) for pipe in pipes), return_exceptions=True
-        )
-        failures = [o for o in outcomes if isinstance(o, BaseException)]
-        if failures and len(failures) == len(outcomes):
-            raise failures[0]
-        for indices, outcome in zip(groups.values(), outcomes, strict=True):
-            if isinstance(outcome, BaseException):
-                if is_unreachable(outcome):
-                    self.stats.unreachable_errors += 1
-                for index in indices:
-                    replies[index] = outcome
-            else:
-                for index, reply in zip(indices, outcome, strict=True):
-                    replies[index] = reply
-        return replies
-
-    def _note_unreachable(self, *, log: bool = True) -> None:
-        self.stats.unreachable_errors += 1
-        if self._gate.record_unreachable():
-            self.stats.outages += 1
-            if not log:
-                return
-            logger.warning(
-                "%s: Redis at %s is unreachable; failing operations at once and retrying "
-                "the connection in %.1fs",
-                self._context.name if self._context else "redis",
-                self.config.safe_url(),
-                self._gate.seconds_until_probe(),
-            )
-
-    def _note_reachable(self) -> None:
-        if self._gate.record_success():
-            self.stats.recoveries += 1
-            logger.info(
-                "%s: Redis at %s is reachable again",
-                self._context.name if self._context else "redis",
-                self.config.safe_url(),
-            )
 
     def _load_reply(self, response: Any, **options: Any) -> Any:
         """redis-py's response callback for ``GET``/``GETEX`` on this tier's client.
@@ -598,91 +482,9 @@ class RedisTier(AsyncTier):
             if log is not None:
                 log.note(value)
 
-    async def _drop_rejected(self, rejected: Sequence[RejectedValue]) -> None:
-        """Delete values that failed verification, so no engine finds them again.
-
-        Each is deleted only if the key still holds that same value (compared
-        on the server by a script), so a valid block another engine wrote since
-        our read is kept. Best effort: a failure is logged; the value stays a
-        miss for this tier either way.
-        """
-        layout = self._require_layout()
-        commands = [(layout.redis_key(OffloadKey(r.key)), r.value_sha1 or "") for r in rejected]
-
-        def fill(pipe: Any) -> None:
-            for name, digest in commands:
-                pipe.execute_command("EVAL", _DELETE_IF_SAME, 1, name, digest)
-
-        try:
-            replies = await self._round_trip("DEL", fill)
-        except Exception as exc:
-            self._note_delete_failure(len(rejected), exc)
-            return
-        self.stats.rejected_deleted += sum(1 for reply in replies if reply == 1)
-        failures = [reply for reply in replies if isinstance(reply, BaseException)]
-        if failures:
-            self._note_delete_failure(len(failures), failures[0])
-
-    def _note_delete_failure(self, count: int, error: BaseException) -> None:
-        if self._rejections is not None:
-            self._rejections.note_delete_failure(self._where("DEL"), count, error)
-
-
-#: Deletes KEYS[1] only if its value still starts with the header ARGV[1] (the header
-#: holds the payload's checksum or tag, so it names the value). Returns 1 when deleted.
-_DELETE_IF_HEADER = """
-if redis.call('TYPE', KEYS[1])['ok'] ~= 'string' then return 0 end
-if redis.call('GETRANGE', KEYS[1], 0, string.len(ARGV[1]) - 1) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-#: Deletes KEYS[1] only if it still holds the value whose SHA-1 is ARGV[1] (an
-#: empty ARGV[1]: only if it still holds a non-string). Returns 1 when deleted.
-_DELETE_IF_SAME = """
-local kind = redis.call('TYPE', KEYS[1])['ok']
-if kind == 'none' then return 0 end
-if kind ~= 'string' then
-  if ARGV[1] == '' then return redis.call('DEL', KEYS[1]) end
-  return 0
-end
-if ARGV[1] ~= '' and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
 
 #: What ``_load_reply`` returns for a block verified and copied into place.
 _LOADED = object()
-
-
-def _key_of(args: tuple[Any, ...]) -> Any:
-    """The key a queued command acts on (``EVAL script numkeys key ...`` names it third)."""
-    return args[3] if args[0] == "EVAL" else args[1]
-
-
-class _Commands:
-    """Records what a ``fill`` function queues, to be split over cluster nodes."""
-
-    def __init__(self) -> None:
-        self.queue: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def execute_command(self, *args: Any, **options: Any) -> None:
-        self.queue.append((args, options))
-
-    def strlen(self, name: bytes) -> None:
-        self.execute_command("STRLEN", name)
-
-    def delete(self, name: bytes) -> None:
-        self.execute_command("DEL", name)
-
-    def touch(self, name: bytes) -> None:
-        self.execute_command("TOUCH", name)
-
-    def pexpire(self, name: bytes, ms: int) -> None:
-        self.execute_command("PEXPIRE", name, ms)
 
 
 class _Load(NamedTuple):
