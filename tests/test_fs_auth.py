@@ -26,7 +26,7 @@ from tiering.registry import tier_options
 from tiering.runtime import AsyncTierManager
 from tiers.fs import FileSystemTier
 from tiers.fs.files import RootDir
-from tiers.fs.journal import write_snapshot
+from tiers.fs.journal_file import write_snapshot
 from tiers.fs.layout import read_header
 
 from .fs_support import (

@@ -18,7 +18,7 @@ import pytest
 
 from tiering.errors import ConfigError, CorruptBlock
 from tiering.keys import OffloadKey
-from tiers.fs.journal import SNAPSHOT_RECORD_ENTRIES
+from tiers.fs.journal_file import SNAPSHOT_RECORD_ENTRIES
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 from tiers.fs.records import HEADER_BYTES, iter_records
 

@@ -22,7 +22,7 @@ from tiering.errors import ConfigError
 from tiers.fs.config import FsTierConfig
 from tiers.fs.errors import RootInUseError
 from tiers.fs.files import RootDir, UnsafeFileError
-from tiers.fs.journal import (
+from tiers.fs.journal_file import (
     open_for_append,
     recover,
     write_snapshot,
