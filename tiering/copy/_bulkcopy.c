@@ -108,6 +108,20 @@ static inline void flush_line(const char *p, enum source_flush how) {
 }
 #endif
 
+/* Drop every line of [start, start + n) from the caches (a no-op without a line flush). */
+static void evict_range(const char *start, size_t n, enum source_flush how) {
+#if defined(HAVE_LINE_FLUSH)
+    for (uintptr_t line = (uintptr_t)start & ~(uintptr_t)63; line < (uintptr_t)start + n;
+         line += 64) {
+        flush_line((const char *)line, how);
+    }
+#else
+    (void)start;
+    (void)n;
+    (void)how;
+#endif
+}
+
 typedef struct {
     Py_buffer view;    /* held when from a buffer */
     uint64_t *owned;   /* allocated when from a sequence */
@@ -219,10 +233,7 @@ static void copy_streaming(char *d, const char *s, size_t n, enum source_flush h
     if (how != FLUSH_NONE && s_end > s_start) {
         flush_line(s_start, how);
         const char *from = s >= s_start + 64 ? s - 64 : s_start;
-        for (uintptr_t line = (uintptr_t)from & ~(uintptr_t)63; line < (uintptr_t)s_end;
-             line += 64) {
-            flush_line((const char *)line, how);
-        }
+        evict_range(from, (size_t)(s_end - from), how);
     }
 #else
     (void)s_start;
@@ -367,20 +378,6 @@ done:
     table_release(&dst);
     table_release(&lens);
     return result;
-}
-
-/* Drop every line of a buffer from the caches (see evict_lines in methods[]). */
-static void evict_range(const char *start, size_t n, enum source_flush how) {
-#if defined(HAVE_LINE_FLUSH)
-    for (uintptr_t line = (uintptr_t)start & ~(uintptr_t)63; line < (uintptr_t)start + n;
-         line += 64) {
-        flush_line((const char *)line, how);
-    }
-#else
-    (void)start;
-    (void)n;
-    (void)how;
-#endif
 }
 
 static PyObject *evict_lines(PyObject *self, PyObject *args) {
