@@ -63,7 +63,10 @@ copying 64 MiB over and over; random 256 KiB regions copied as a tier copies its
 blocks; random 256 KiB regions checksummed and evicted from the caches as a tier
 checksums its blocks; random 256 KiB O_DIRECT reads and writes of a file, the fs
 tier's disk traffic), the machine's own floor under the tier rows. Figures of a
-shared machine are noisy: compare within one run.
+shared machine are noisy: compare within one run. The note under the table gives,
+for a tier on a loop thread, how often the kernel preempted that thread beside the
+steps (another thread or process put on its CPU, often while it held the GIL);
+``--server-nice 10`` starts the redis rows' redis-server at a lower priority.
 """
 
 from __future__ import annotations
@@ -372,6 +375,8 @@ class Rig:
     description: str
     primary: np.ndarray[Any, np.dtype[np.uint8]]
     tier_cpu: Callable[[], float]  # CPU seconds of what runs the tier (loop thread or process)
+    #: Involuntary context switches of the tier's loop thread so far (None: a child process).
+    loop_preemptions: Callable[[], int] | None = None
 
 
 @contextlib.contextmanager
@@ -437,6 +442,11 @@ def open_tier(
             server = RedisServer(scratch / "redis").start()
             factory = functools.partial(RedisTier, url=server.url, namespace="engine-step")
             description = f"redis on loopback ({server.url})"
+            if args.server_nice:
+                # Every thread: Linux nice values are per thread.
+                for tid in os.listdir(f"/proc/{server.process.pid}/task"):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), args.server_nice)
+                description += f", redis-server at nice {args.server_nice}"
         else:
             raise Skip(f"unknown tier {kind!r}; choose from {', '.join(TIERS)}")
         options: dict[str, Any] = {
@@ -451,17 +461,19 @@ def open_tier(
         if placement == "process":
             isolated = IsolatedTierManager(factory, host, kind, gc_handoff=gc_handoff, **options)
             manager, tier_cpu = isolated, process_cpu(isolated.pid)
+            preemptions = None
             description += "; in a child process"
         else:
             manager = AsyncTierManager(factory(), host.view, kind, gc_handoff=gc_handoff, **options)
             tier_cpu = thread_cpu(manager._thread.thread)  # the tier's event-loop thread
+            preemptions = thread_preemptions(manager._thread.thread)
             if kind.startswith("fs-"):
                 got = manager.tier.stats.io_backend  # type: ignore[attr-defined]
                 description += f" (running: {got})"
         if tier_cpus is not None:
             description += f"; tier on CPUs {format_cpu_list(tier_cpus)}, scheduler apart"
         try:
-            yield Rig(manager, description, primary, tier_cpu)
+            yield Rig(manager, description, primary, tier_cpu, preemptions)
         finally:
             manager.shutdown()
     finally:
@@ -578,6 +590,27 @@ def thread_cpu(thread: threading.Thread) -> Callable[[], float]:
     return lambda: time.clock_gettime(clock)
 
 
+def thread_preemptions(thread: threading.Thread) -> Callable[[], int] | None:
+    """A reader of ``thread``'s involuntary context switches (None where /proc cannot tell).
+
+    Each is a moment the kernel put another thread on the loop thread's CPU
+    while it ran, often holding the GIL: a scheduler waiting for the GIL then
+    waits out the other thread's time slice too.
+    """
+    path = f"/proc/self/task/{thread.native_id}/status"
+    if thread.native_id is None or not os.path.exists(path):
+        return None
+
+    def read() -> int:
+        with open(path) as status:
+            for line in status:
+                if line.startswith("nonvoluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+        return 0
+
+    return read
+
+
 @dataclass
 class Phase:
     schedule_s: list[float] = field(default_factory=list)
@@ -691,6 +724,9 @@ class TierRow:
     busy: Phase = field(default_factory=Phase)
     blocks_per_s: float = 0.0
     loop_cpu_us_per_block: float = 0.0
+    #: The loop thread's involuntary context switches per second beside the steps
+    #: (None: not measured, e.g. a tier in a child process).
+    loop_preemptions_per_s: float | None = None
     failures: int = 0
 
 
@@ -732,13 +768,18 @@ def bench_tier(
             mix.finish()
             run_steps(scheduler, 0.2, None, Phase())
             blocks0, cpu0, busy_s = mix.blocks_moved, loop_cpu(), 0.0
+            preempted = 0
             for _ in range(args.rounds):
                 slice_s, forward_s = args.seconds / args.rounds / 2, args.forward_ms / 1e3
                 run_steps(scheduler, slice_s, None, row.alone, forward_s)
                 t0 = time.perf_counter()
+                before = rig.loop_preemptions() if rig.loop_preemptions else 0
                 run_steps(scheduler, slice_s, mix.step, row.busy, forward_s)
                 busy_s += time.perf_counter() - t0
+                preempted += (rig.loop_preemptions() - before) if rig.loop_preemptions else 0
                 mix.finish()  # between rounds: the alone steps see an idle tier
+            if rig.loop_preemptions and busy_s:
+                row.loop_preemptions_per_s = preempted / busy_s
             moved = mix.blocks_moved - blocks0
             row.blocks_per_s = moved / busy_s if busy_s else 0.0
             row.loop_cpu_us_per_block = (loop_cpu() - cpu0) / moved * 1e6 if moved else 0.0
@@ -941,9 +982,14 @@ def report(rows: list[TierRow], args: argparse.Namespace) -> None:
                 f"{len(row.alone.schedule_s)} alone"
             )
             continue
+        preempted = (
+            ""
+            if row.loop_preemptions_per_s is None
+            else f"; loop thread preempted {row.loop_preemptions_per_s:,.0f} times/s"
+        )
         notes.append(
             f"- {row.tier}: {row.description}; {len(row.busy.schedule_s)} steps with the tier, "
-            f"{len(row.alone.schedule_s)} alone; failed store jobs: {row.failures}"
+            f"{len(row.alone.schedule_s)} alone; failed store jobs: {row.failures}{preempted}"
         )
     print_markdown_table(header, lines)
     print()
@@ -1045,6 +1091,16 @@ def main(argv: list[str] | None = None) -> None:
         help="the runtime's gc_handoff for each tier row, one row per value (default on)",
     )
     parser.add_argument(
+        "--server-nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the nice value of the redis-server the redis rows start (default 0). Where it "
+        "shares the tier's CPU, each time it preempts the tier's loop thread while that holds "
+        "the GIL, a scheduler back from the GPU waits out its time slice too (docs/runtime.md, "
+        '"A loop thread\'s CPU"); 10 gives the loop thread the larger share',
+    )
+    parser.add_argument(
         "--switch-interval-ms",
         type=float,
         default=None,
@@ -1052,6 +1108,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     cpus = args.cpus = sorted(allowed_cpus())  # before any row pins this thread
+    if not 0 <= args.server_nice <= 19:
+        parser.error(f"--server-nice must be 0-19 (a lower priority), got {args.server_nice}")
     if args.pin != "off" and len(cpus) < 2:
         parser.error(f"--pin needs at least 2 CPUs; this process may use {cpus}")
     if args.switch_interval_ms is not None:
