@@ -75,7 +75,8 @@ class IsolatedTierManager(AsyncTierManager):
     ``ring_bytes`` sizes each ring; ``gc_handoff`` (default True) runs the
     garbage collections the scheduler's step would run on a collector thread
     of this process instead (there is no loop thread here; the results it
-    unpickles still allocate), on the CPUs of ``cpus`` when given.
+    unpickles still allocate), on the CPUs of the thread that constructs the
+    manager (not on ``cpus``, where the tier's process would preempt it).
     Construction starts the process and returns once the tier is open there;
     a tier that fails to open raises its own exception here (its type kept
     when it pickles), and
@@ -201,7 +202,11 @@ class IsolatedTierManager(AsyncTierManager):
         shared, self._touch_supported, self._capacity, self._tier_class = answer
         self._collector: CollectorThread | None = None
         if gc_handoff:  # no loop thread here: the results it unpickles still allocate
-            self._collector = CollectorThread(f"tier-{self.name}-gc", self.cpus)
+            # Not on ``cpus``: there the tier's busy process preempts it mid-collection,
+            # GIL held, and a scheduler back from the GPU waits out that time slice
+            # (docs/runtime.md, "Garbage collections"). Where it is started (the
+            # scheduler's CPUs), it collects while the scheduler waits for the GPU.
+            self._collector = CollectorThread(f"tier-{self.name}-gc")
             self._offer_collection = self._collector.offer
         mirror = self._mirror
         self._bind_published(

@@ -83,10 +83,12 @@ class CollectorThread:
     For a scheduler-side process with no loop thread of its own (an isolated
     tier's). :meth:`offer` (the scheduler thread) returns at once and queues at
     most one request at a time; :meth:`close` stops the thread and joins it.
-    ``cpus`` (the tier's ``cpus`` option) is where the thread runs: otherwise it
-    would inherit its creator's, the scheduler thread's, CPUs, and its
-    collections would evict the scheduler's cached data there. If this process
-    may not run on them, it logs a warning and runs where it was started.
+    ``cpus`` is where the thread runs (None: wherever its creator may run).
+    :class:`~tiering.isolation.IsolatedTierManager` passes None, so the thread
+    shares the scheduler's CPUs and collects while the scheduler waits for the
+    GPU: on the tier's CPUs, the tier's busy process preempted it mid-collection,
+    GIL held (``docs/runtime.md``, "Garbage collections"). If this process may
+    not run on ``cpus``, it logs a warning and runs where it was started.
     """
 
     def __init__(self, name: str, cpus: frozenset[int] | None = None) -> None:
