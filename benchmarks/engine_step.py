@@ -768,15 +768,14 @@ def bench_tier(
             mix.finish()
             run_steps(scheduler, 0.2, None, Phase())
             blocks0, cpu0, busy_s = mix.blocks_moved, loop_cpu(), 0.0
-            preempted = 0
+            preempted, preemptions = 0, rig.loop_preemptions or (lambda: 0)
             for _ in range(args.rounds):
                 slice_s, forward_s = args.seconds / args.rounds / 2, args.forward_ms / 1e3
                 run_steps(scheduler, slice_s, None, row.alone, forward_s)
-                t0 = time.perf_counter()
-                before = rig.loop_preemptions() if rig.loop_preemptions else 0
+                t0, before = time.perf_counter(), preemptions()
                 run_steps(scheduler, slice_s, mix.step, row.busy, forward_s)
                 busy_s += time.perf_counter() - t0
-                preempted += (rig.loop_preemptions() - before) if rig.loop_preemptions else 0
+                preempted += preemptions() - before
                 mix.finish()  # between rounds: the alone steps see an idle tier
             if rig.loop_preemptions and busy_s:
                 row.loop_preemptions_per_s = preempted / busy_s
