@@ -1,72 +1,51 @@
-"""The CUDA copy engine.
+"""The CUDA copy engine, on the simulated device everywhere and on a real GPU where one exists.
 
-The copy functions are plain tensor indexing and ``copy_`` calls, so their
-block arithmetic is checked on CPU tensors everywhere. Everything that needs a
-device (streams, events, pinning, the device-mapped buffer) runs only where
-CUDA exists and is skipped with the reason otherwise.
+Each test that takes ``kind`` runs once per device: ``simulated``
+(:class:`~tiering.copy.cuda.simulated.SimulatedCudaDevice`: CUDA's ordering
+rules in host memory, streams run late by worker threads with random delays)
+and ``cuda`` (skipped with the reason where ``torch.cuda.is_available()`` is
+False). The engine code is the same on both; only the device seam differs.
+Faults only a simulated device can inject are in ``test_copy_cuda_faults.py``,
+the ordering state machine in ``test_copy_cuda_machine.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import random
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
-from tests.test_copy_layout import cpu_blocks_needed, expected_copies, make_layout
-from tiering.copy import (
-    CanonicalKVCacheRef,
-    CanonicalKVCaches,
-    CanonicalKVCacheTensor,
-    CopyWorker,
-    Lane,
-    make_copy_worker,
-    plan_transfer,
-    required_cpu_block_bytes,
+from tests.cuda_rigs import (
+    CPU_BLOCKS,
+    GROUP_SIZES,
+    GROUP_STARTS,
+    RIG_KINDS,
+    SENTINEL,
+    SHAPES,
+    TWO_GROUPS,
+    KVRig,
+    check_host_rows,
+    rig_for,
+    split,
+    wait_all,
 )
+from tests.test_copy_layout import cpu_blocks_needed, make_layout
+from tiering.copy import Lane, plan_transfer, required_cpu_block_bytes
+from tiering.copy.cuda import dma_copy, flat_bytes, gpu_block_rows, kernel_copy
+from tiering.copy.cuda.pins import PinRegistry
+from tiering.copy.cuda.simulated import SimulatedCudaDevice
 from tiering.host_buffer import HostBuffer
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
-torch = pytest.importorskip("torch")
-cuda_copy = pytest.importorskip("tiering.copy.cuda")
-
-needs_cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA device (torch.cuda.is_available() is False on this machine)",
-)
-SENTINEL = 0x5A
-
-PAGES = [2048, 4096]
-GROUPS = [[(0, 2048), (1, 3000)], [(1, 4096)]]
-SIZES, INDICES = [5, 3], [3, 1]
-GPU_IDS = [7, 3, 30, 12, 0, 21, 22, 9]
-
-
-def g0(ids: list[int]) -> GPULoadStoreSpec:
-    """Blocks of group 0 only (the layout has two groups)."""
-    return GPULoadStoreSpec(ids, group_sizes=[len(ids), 0], block_indices=[0, 0])
-
-
-def split(ids: list[int], sizes: list[int]) -> list[list[int]]:
-    out, pos = [], 0
-    for n in sizes:
-        out.append(ids[pos : pos + n])
-        pos += n
-    return out
-
-
-def check_host(layout: Any, gpu: list[Any], host: np.ndarray[Any, Any], cpu_ids: list[int]) -> None:
-    written = np.zeros(host.shape, dtype=bool)
-    for t, g, c, sub, n in expected_copies(layout, split(GPU_IDS, SIZES), INDICES, cpu_ids):
-        start = layout.cpu_slot_offsets[t] + sub * layout.gpu_page_bytes[t]
-        assert np.array_equal(host[c, start : start + n], gpu[t][g, :n].view(np.uint8))
-        written[c, start : start + n] = True
-    assert np.all(host[~written] == SENTINEL)
-
-
 # -- the copy functions, on CPU tensors ---------------------------------------------------
+
+PAGES, GROUPS = TWO_GROUPS
+GPU_IDS = [7, 3, 30, 12, 0, 21, 22, 9]
+SIZES, STARTS = [5, 3], [3, 1]
 
 
 @pytest.mark.parametrize("factor", [1, 2, 4])
@@ -77,10 +56,12 @@ def test_copy_functions_move_the_right_bytes(factor: int, method: str) -> None:
     gpu = [torch.randint(-128, 127, (40, p), dtype=torch.int8, generator=gen) for p in PAGES]
     host = np.full((24, layout.cpu_block_bytes), SENTINEL, dtype=np.uint8)
     host_flat = torch.from_numpy(host.view(np.int8)).reshape(-1)
-    cpu_ids = list(range(23, 23 - cpu_blocks_needed(SIZES, INDICES, factor), -1))
+    cpu_ids = list(range(23, 23 - cpu_blocks_needed(SIZES, STARTS, factor), -1))
+    sim = SimulatedCudaDevice(mode="manual")
+    stream = sim.new_stream()
 
     def run(lane: Lane, gpu_ids: list[int]) -> None:
-        spec = GPULoadStoreSpec(gpu_ids, group_sizes=SIZES, block_indices=INDICES)
+        spec = GPULoadStoreSpec(gpu_ids, group_sizes=SIZES, block_indices=STARTS)
         plan = plan_transfer(layout, spec, CPULoadStoreSpec(cpu_ids), lane)
         for entry in plan.copies:
             rows = gpu[entry.tensor_idx]
@@ -89,13 +70,14 @@ def test_copy_functions_move_the_right_bytes(factor: int, method: str) -> None:
                     torch.from_numpy(np.array(a))
                     for a in (entry.gpu_blocks, entry.cpu_blocks, entry.cpu_subblocks)
                 ]
-                cuda_copy.kernel_copy(entry, layout, rows, host_flat, *idx, lane.gpu_to_cpu)
+                kernel_copy(entry, layout, rows, host_flat, *idx, lane.gpu_to_cpu)
             else:
-                flat = cuda_copy._flat(rows)
-                cuda_copy.dma_copy(entry, layout, rows, flat, host_flat, lane.gpu_to_cpu)
+                with sim.on_stream(stream):
+                    dma_copy(sim, entry, layout, rows, flat_bytes(rows), host_flat, lane.gpu_to_cpu)
+        sim.drain()
 
     run(Lane.STORE, GPU_IDS)
-    check_host(layout, [t.numpy() for t in gpu], host, cpu_ids)
+    check_host_rows(layout, [t.numpy() for t in gpu], host, split(GPU_IDS, SIZES), STARTS, cpu_ids)
     before = [t.clone() for t in gpu]
     targets = list(range(31, 39))
     run(Lane.LOAD, targets)
@@ -103,144 +85,242 @@ def test_copy_functions_move_the_right_bytes(factor: int, method: str) -> None:
         for copy in layout.group_copies[g]:
             t, n = copy.tensor_idx, copy.nbytes
             assert torch.equal(gpu[t][dst, :n], before[t][src, :n])
-            untouched = gpu[t][dst, n:]
-            assert torch.equal(untouched, before[t][dst, n:])
+            assert torch.equal(gpu[t][dst, n:], before[t][dst, n:])  # padding untouched
 
 
-def test_gpu_rows_view_a_cuda_shaped_tensor_without_copying() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("covered by the CUDA tests")
-    with pytest.raises(TypeError, match="must be a CUDA tensor"):
-        cuda_copy.gpu_block_rows(torch.zeros(4, 16, dtype=torch.int8), 16, "KV-cache tensor 0")
+def test_gpu_block_rows_views_device_tensors_and_names_what_does_not_fit() -> None:
+    with SimulatedCudaDevice() as sim:
+        with pytest.raises(TypeError, match="must be a CUDA tensor"):
+            gpu_block_rows(sim, torch.zeros(4, 16, dtype=torch.int8), 16, "KV-cache tensor 0")
+        halves = sim.alloc((4, 2, 8), torch.float16)  # a (blocks, K/V, ...) layout
+        rows = gpu_block_rows(sim, halves, 32, "KV-cache tensor 0")
+        assert rows.shape == (4, 32) and rows.data_ptr() == halves.data_ptr()
+        exact = sim.alloc((4, 16))
+        assert gpu_block_rows(sim, exact, 16, "t").data_ptr() == exact.data_ptr()
+        with pytest.raises(ValueError, match="cannot be viewed as rows of 24 bytes"):
+            gpu_block_rows(sim, sim.alloc((4, 16)), 24, "KV-cache tensor 1")
+        transposed = sim.alloc((16, 4), torch.float16).t()
+        with pytest.raises(ValueError, match="last dimension must be contiguous"):
+            gpu_block_rows(sim, transposed, 32, "KV-cache tensor 2")
 
 
-# -- on a CUDA device ---------------------------------------------------------------------
+# -- round trips on each device -----------------------------------------------------------
 
 
-@pytest.fixture
-def cuda_rig(request: pytest.FixtureRequest) -> Iterator[tuple[CopyWorker, list[Any], HostBuffer]]:
-    strategy, factor = request.param
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    gpu = [
-        torch.randint(-128, 127, (40, p), dtype=torch.int8, device="cuda", generator=gen)
-        for p in PAGES
-    ]
-    kv = CanonicalKVCaches(
-        [CanonicalKVCacheTensor(t, p) for t, p in zip(gpu, PAGES, strict=True)],
-        [[CanonicalKVCacheRef(t, n) for t, n in g] for g in GROUPS],
-    )
-    host = HostBuffer.create(24, required_cpu_block_bytes(PAGES, factor))
-    host.as_numpy()[:] = SENTINEL
-    worker = make_copy_worker(kv, host, block_size_factor=factor, strategy=strategy)
-    yield worker, gpu, host
-    worker.shutdown(timeout=30)
-    host.close()
+def round_trip(kv: KVRig, seed: int) -> None:
+    """Store random blocks of every group, check the rows, load them elsewhere, check the pages."""
+    rng = random.Random(seed)
+    groups = len(kv.groups)
+    sizes, starts = GROUP_SIZES[:groups], GROUP_STARTS[:groups]
+    factor = kv.layout.block_size_factor
+    ids = rng.sample(range(20), sum(sizes))
+    cpu_ids = rng.sample(range(CPU_BLOCKS), cpu_blocks_needed(sizes, starts, factor))
+    store = GPULoadStoreSpec(ids, group_sizes=sizes, block_indices=starts)
+    assert kv.worker.submit_store(1, store, CPULoadStoreSpec(cpu_ids))
+    (result,) = wait_all(kv.worker, [1])
+    assert result.success and result.transfer_time >= 0
+    copies = kv.layout.group_copies
+    moved = sum(n * c.nbytes for n, g in zip(sizes, copies, strict=False) for c in g)
+    assert result.transfer_bytes == moved
+    gpu = [kv.rig.to_host(t).numpy() for t in kv.gpu]
+    check_host_rows(kv.layout, gpu, kv.host.as_numpy(), split(ids, sizes), starts, cpu_ids)
 
-
-RIG_PARAMS = [(s, f) for s in ("dma", "kernel", "auto") for f in (1, 2)]
-
-
-@needs_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("cuda_rig", RIG_PARAMS, indirect=True)
-def test_cuda_round_trip(cuda_rig: tuple[CopyWorker, list[Any], HostBuffer]) -> None:
-    worker, gpu, host = cuda_rig
-    layout = worker.engine.layout
-    factor = layout.block_size_factor
-    cpu_ids = list(range(23, 23 - cpu_blocks_needed(SIZES, INDICES, factor), -1))
-    spec = GPULoadStoreSpec(GPU_IDS, group_sizes=SIZES, block_indices=INDICES)
-    assert worker.submit_store(1, spec, CPULoadStoreSpec(cpu_ids))
-    worker.wait([1], timeout=60)
-    (result,) = worker.get_finished()
-    assert result.success and result.transfer_time > 0
-    assert result.transfer_bytes == 5 * (2048 + 3000) + 3 * 4096
-    check_host(layout, [t.cpu().numpy() for t in gpu], host.as_numpy(), cpu_ids)
-    before = [t.clone() for t in gpu]
-    targets = list(range(31, 39))
-    load = GPULoadStoreSpec(targets, group_sizes=SIZES, block_indices=INDICES)
-    assert worker.submit_load(2, CPULoadStoreSpec(cpu_ids), load, expedited=True)
-    worker.wait([2], timeout=60)
-    assert [r.success for r in worker.get_finished()] == [True]
-    for g, (src, dst) in enumerate(zip(split(GPU_IDS, SIZES), split(targets, SIZES), strict=True)):
-        for copy in layout.group_copies[g]:
+    targets = rng.sample(range(20, 40), sum(sizes))
+    load = GPULoadStoreSpec(targets, group_sizes=sizes, block_indices=starts)
+    assert kv.worker.submit_load(2, CPULoadStoreSpec(cpu_ids), load, expedited=bool(seed % 2))
+    assert [r.success for r in wait_all(kv.worker, [2])] == [True]
+    after = [kv.rig.to_host(t).numpy() for t in kv.gpu]
+    for g, (src, dst) in enumerate(zip(split(ids, sizes), split(targets, sizes), strict=True)):
+        for copy in kv.layout.group_copies[g]:
             t, n = copy.tensor_idx, copy.nbytes
-            assert torch.equal(gpu[t][dst, :n], before[t][src, :n])
+            assert np.array_equal(after[t][dst, :n], gpu[t][src, :n]), f"group {g} tensor {t}"
+            assert np.array_equal(after[t][dst, n:], gpu[t][dst, n:]), "padding was written"
 
 
-@needs_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("cuda_rig", [("auto", 1)], indirect=True)
-def test_cuda_primary_buffer_is_pinned_while_the_engine_lives(
-    cuda_rig: tuple[CopyWorker, list[Any], HostBuffer],
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("factor", [1, 2, 4])
+@pytest.mark.parametrize("strategy", ["dma", "kernel", "auto"])
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_round_trip_is_byte_exact(kind: str, strategy: str, factor: int, shape: str) -> None:
+    with rig_for(kind) as rig:
+        # auto with a 2,500-byte switch: the 2,048/1,000/1,800-byte copies go by kernel,
+        # the 3,000/3,500/4,096-byte ones by DMA, in the same job.
+        kv = KVRig(rig, SHAPES[shape], factor=factor, strategy=strategy, dma_min_bytes=2500)
+        try:
+            round_trip(kv, seed=factor)
+        finally:
+            kv.close()
+
+
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_auto_copies_large_pages_by_dma_and_small_ones_by_kernels(kind: str) -> None:
+    with rig_for(kind) as rig:
+        kv = KVRig(rig, SHAPES["3-groups"], strategy="auto", dma_min_bytes=2500)
+        try:
+            engine: Any = kv.worker.engine
+            spec = GPULoadStoreSpec(list(range(12)), group_sizes=[5, 3, 4])
+            plan = plan_transfer(kv.layout, spec, CPULoadStoreSpec(list(range(12))), Lane.STORE)
+            chosen = {e.nbytes: engine.uses_kernel(e) for e in plan.copies}
+            assert chosen == {2048: True, 3500: False, 1000: True, 1024: True, 1800: True}
+            round_trip(kv, seed=3)
+        finally:
+            kv.close()
+        default = KVRig(rig, SHAPES["1-group"], strategy="auto")
+        try:  # the default switch is 256 KiB: 3,000-byte copies go by kernel where mapped
+            entry = plan_transfer(
+                default.layout, GPULoadStoreSpec([1]), CPULoadStoreSpec([1]), Lane.STORE
+            ).copies[0]
+            assert default.worker.engine.uses_kernel(entry)  # type: ignore[attr-defined]
+        finally:
+            default.close()
+
+
+# -- pinning ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_primary_buffer_is_pinned_while_the_engine_lives(kind: str) -> None:
+    with rig_for(kind) as rig:
+        kv = KVRig(rig, TWO_GROUPS)
+        host = kv.host.as_numpy()
+        assert kv.worker.engine.pinned  # type: ignore[attr-defined]
+        assert rig.is_pinned(host)
+        kv.worker.shutdown()
+        assert not rig.is_pinned(host)
+        kv.host.close()
+
+
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_two_engines_share_one_registration_and_the_last_one_unpins(kind: str) -> None:
+    with rig_for(kind) as rig:
+        first = KVRig(rig, TWO_GROUPS)
+        host = first.host.as_numpy()
+        second = KVRig(rig, TWO_GROUPS, host=first.host)
+        engine: Any = first.worker.engine
+        pins = engine.device.pins
+        assert pins.holders(host.ctypes.data, host.nbytes) == 2
+        second.worker.shutdown()
+        assert pins.holders(host.ctypes.data, host.nbytes) == 1 and rig.is_pinned(host)
+        round_trip(first, seed=5)  # the survivor still copies
+        first.close()
+        assert pins.holders(host.ctypes.data, host.nbytes) == 0
+        assert not rig.is_pinned(host)
+
+
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_a_buffer_registered_elsewhere_is_used_and_left_registered(kind: str) -> None:
+    with rig_for(kind) as rig:
+        host = HostBuffer.create(CPU_BLOCKS, required_cpu_block_bytes(PAGES, 1))
+        host.as_numpy()[:] = SENTINEL
+        unregister = rig.register_elsewhere(host.as_numpy())  # as vLLM pins its region
+        kv = KVRig(rig, TWO_GROUPS, host=host)
+        try:
+            assert kv.worker.engine.pinned  # type: ignore[attr-defined]
+            round_trip(kv, seed=6)
+        finally:
+            kv.worker.shutdown()
+        assert rig.is_pinned(host.as_numpy()), "the engine unpinned memory it did not pin"
+        unregister()
+        host.close()
+
+
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_a_buffer_over_the_chunk_size_is_registered_in_row_aligned_chunks(kind: str) -> None:
+    with rig_for(kind) as rig:
+        row = required_cpu_block_bytes(PAGES, 1)
+        pins = PinRegistry(max_chunk_bytes=5 * row + 100, min_chunk_bytes=row)
+        kv = KVRig(rig, TWO_GROUPS, strategy="kernel", device=rig.device_with_pins(pins))
+        host = kv.host.as_numpy()
+        try:
+            pinned = pins.get(host.ctypes.data, host.nbytes)
+            assert pinned is not None
+            sizes = [n for _, n in pinned.chunks]
+            assert sizes == [5 * row] * 4 + [4 * row]  # 24 rows, whole rows per chunk
+            assert rig.is_pinned(host)
+            round_trip(kv, seed=7)  # the kernels read the mapping across every chunk
+        finally:
+            kv.worker.shutdown()
+        assert not rig.is_pinned(host) and pins.get(host.ctypes.data, host.nbytes) is None
+        kv.host.close()
+
+
+# -- ordering -----------------------------------------------------------------------------
+
+
+def g0(ids: list[int]) -> GPULoadStoreSpec:
+    """Blocks of group 0 only (the layout has two groups)."""
+    return GPULoadStoreSpec(ids, group_sizes=[len(ids), 0], block_indices=[0, 0])
+
+
+@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_a_store_waits_for_the_compute_stream(kind: str, strategy: str) -> None:
+    with rig_for(kind) as rig:
+        kv = KVRig(rig, TWO_GROUPS, strategy=strategy)
+        try:
+            compute = rig.new_stream()
+            with rig.on(compute):
+                rig.slow_fill(kv.gpu[0][5], 77)  # the model still writing block 5
+                rig.slow_fill(kv.gpu[1][5], 78)
+                assert kv.worker.submit_store(1, g0([5]), CPULoadStoreSpec([2]))
+            assert [r.success for r in wait_all(kv.worker, [1])] == [True]
+            row = kv.host.as_numpy()[2]
+            assert np.all(row[:2048] == 77) and np.all(row[2048 : 2048 + 3000] == 78)
+        finally:
+            kv.close()
+
+
+@pytest.mark.parametrize("strategy", ["dma", "kernel"])
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_a_load_after_a_store_of_the_same_cpu_blocks_sees_the_stored_bytes(
+    kind: str, strategy: str
 ) -> None:
-    worker, _, host = cuda_rig
-    view = torch.from_numpy(host.as_numpy())
-    assert worker.engine.pinned  # type: ignore[attr-defined]
-    assert view.is_pinned()
-    worker.shutdown()
-    assert not view.is_pinned()
+    with rig_for(kind) as rig:
+        kv = KVRig(rig, TWO_GROUPS, strategy=strategy)
+        try:
+            for round_ in range(3):
+                base = 1 + 10 * round_
+                blocks = list(range(10))
+                assert kv.worker.submit_store(base, g0(blocks), CPULoadStoreSpec(blocks))
+                reverse = CPULoadStoreSpec(list(range(9, -1, -1)))
+                assert kv.worker.submit_load(base + 1, reverse, g0(list(range(20, 30))))
+                assert all(r.success for r in wait_all(kv.worker, [base, base + 1]))
+                gpu = [rig.to_host(t) for t in kv.gpu]
+                for t, n in ((0, 2048), (1, 3000)):
+                    assert torch.equal(gpu[t][20:30, :n], gpu[t][list(range(9, -1, -1)), :n])
+                # New bytes in the source blocks for the next round.
+                for t in kv.gpu:
+                    t[:10].random_(-128, 127)
+        finally:
+            kv.close()
 
 
-@needs_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("cuda_rig", [("dma", 1), ("kernel", 1)], indirect=True)
-def test_cuda_store_waits_for_the_compute_stream(
-    cuda_rig: tuple[CopyWorker, list[Any], HostBuffer],
-) -> None:
-    worker, gpu, host = cuda_rig
-    compute = torch.cuda.Stream()
-    with torch.cuda.stream(compute):
-        torch.cuda._sleep(50_000_000)  # ~tens of ms of queued "model" work
-        gpu[0][5].fill_(77)
-        gpu[1][5].fill_(78)
-        assert worker.submit_store(1, g0([5]), CPULoadStoreSpec([2]))
-    worker.wait([1], timeout=60)
-    assert worker.get_finished()[0].success
-    row = host.as_numpy()[2]
-    assert np.all(row[:2048] == 77) and np.all(row[2048 : 2048 + 3000] == 78)
+@pytest.mark.parametrize("kind", RIG_KINDS)
+async def test_jobs_are_awaited_from_asyncio(kind: str) -> None:
+    with rig_for(kind) as rig:
+        kv = KVRig(rig, TWO_GROUPS)
+        try:
+            assert kv.worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([3, 4]))
+            await asyncio.wait_for(kv.worker.wait_async([1]), timeout=60)
+            assert [r.success for r in kv.worker.get_finished()] == [True]
+        finally:
+            kv.close()
 
 
-@needs_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("cuda_rig", [("dma", 1), ("kernel", 1)], indirect=True)
-def test_cuda_load_after_store_of_the_same_cpu_blocks_sees_the_stored_bytes(
-    cuda_rig: tuple[CopyWorker, list[Any], HostBuffer],
-) -> None:
-    worker, gpu, _ = cuda_rig
-    assert worker.submit_store(1, g0(list(range(10))), CPULoadStoreSpec(list(range(10))))
-    assert worker.submit_load(2, CPULoadStoreSpec(list(range(9, -1, -1))), g0(list(range(20, 30))))
-    worker.wait([1, 2], timeout=60)
-    assert all(r.success for r in worker.get_finished())
-    for t, n in ((0, 2048), (1, 3000)):
-        assert torch.equal(gpu[t][20:30, :n], gpu[t][list(range(9, -1, -1)), :n])
-
-
-@needs_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("cuda_rig", [("auto", 1)], indirect=True)
-async def test_cuda_jobs_are_awaited_from_asyncio(
-    cuda_rig: tuple[CopyWorker, list[Any], HostBuffer],
-) -> None:
-    worker, _, _ = cuda_rig
-    assert worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([3, 4]))
-    await asyncio.wait_for(worker.wait_async([1]), timeout=60)
-    assert [r.success for r in worker.get_finished()] == [True]
-
-
-@needs_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("cuda_rig", [("auto", 2)], indirect=True)
-def test_cuda_shutdown_with_jobs_in_flight(
-    cuda_rig: tuple[CopyWorker, list[Any], HostBuffer],
-) -> None:
-    worker, _, _ = cuda_rig
-    torch.cuda._sleep(20_000_000)
-    for job_id in range(1, 6):
-        assert worker.submit_store(
-            job_id, g0([job_id * 2, job_id * 2 + 1]), CPULoadStoreSpec([job_id])
-        )
-    worker.shutdown(timeout=60)
-    results = worker.get_finished()
-    assert sorted(r.job_id for r in results) == [1, 2, 3, 4, 5]
-    assert all(r.success for r in results)
-    assert not worker.submit_store(9, g0([0, 1]), CPULoadStoreSpec([9]))
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_shutdown_lets_the_jobs_in_flight_finish(kind: str) -> None:
+    with rig_for(kind) as rig:
+        kv = KVRig(rig, TWO_GROUPS, factor=2)
+        host = kv.host.as_numpy()
+        rig.slow_fill(kv.gpu[0][0], 1)  # queued work ahead of every job on the current stream
+        for job_id in range(1, 6):
+            spec = g0([job_id * 2, job_id * 2 + 1])
+            assert kv.worker.submit_store(job_id, spec, CPULoadStoreSpec([job_id]))
+        kv.worker.shutdown(timeout=60)
+        results = kv.worker.get_finished()
+        assert sorted(r.job_id for r in results) == [1, 2, 3, 4, 5]
+        assert all(r.success for r in results)
+        assert kv.worker.engine.jobs_left_running == 0
+        assert not rig.is_pinned(host)
+        assert not kv.worker.submit_store(9, g0([0, 1]), CPULoadStoreSpec([9]))
+        kv.host.close()

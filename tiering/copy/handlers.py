@@ -333,7 +333,9 @@ def make_copy_worker(
     ``primary`` is the scheduler's host buffer, typically
     ``HostBuffer.attach(name, num_blocks, block_bytes)`` in a worker process.
     ``engine="auto"`` picks the CUDA engine when the KV tensors are CUDA
-    tensors and the host engine otherwise. ``worker_index`` places this
+    tensors (or a ``device=`` is given: a
+    :class:`~tiering.copy.cuda.device.CudaDevice`, such as the simulated one
+    the tests use) and the host engine otherwise. ``worker_index`` places this
     worker's slots in each CPU block (tensor parallelism: one area per
     worker). ``engine_options`` go to the engine's constructor. Raises
     ``ValueError`` / ``TypeError`` naming what does not fit.
@@ -344,13 +346,17 @@ def make_copy_worker(
         raise ValueError("kv_caches has no tensors")
     on_cuda = [is_torch_tensor(t) and t.device.type == "cuda" for t in tensors]
     if engine == "auto":
-        engine = "cuda" if any(on_cuda) else "host"
+        given_device = engine_options.get("device") is not None
+        engine = "cuda" if any(on_cuda) or given_device else "host"
     host = host_rows(primary)
     if engine == "cuda":
         from tiering.copy.cuda import CudaCopyEngine, gpu_block_rows
+        from tiering.copy.cuda.engine import default_device
 
+        if engine_options.get("device") is None:
+            engine_options["device"] = default_device(tensors)
         rows: Sequence[Any] = [
-            gpu_block_rows(t, p, f"KV-cache tensor {i}")
+            gpu_block_rows(engine_options["device"], t, p, f"KV-cache tensor {i}")
             for i, (t, p) in enumerate(zip(tensors, pages, strict=True))
         ]
         counts = [int(r.shape[0]) for r in rows]

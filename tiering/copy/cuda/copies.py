@@ -1,0 +1,121 @@
+"""How a job's bytes move on a device: DMA runs and gather/scatter kernels.
+
+Both functions only enqueue work on the device's current stream (see
+:meth:`~tiering.copy.cuda.device.CudaDevice.on_stream`); neither waits.
+
+* :func:`dma_copy`: one ``cudaMemcpyAsync`` per run of adjacent blocks, on the
+  GPU's copy engines (no SM is used). Best for large pages, where a few
+  microseconds of launch cost per run are amortised.
+* :func:`kernel_copy`: the pinned buffer mapped into the device address space
+  (a device tensor over host memory); one gather and one scatter kernel per
+  tensor move every block of the job over PCIe. Best for small pages, where
+  one call per block would be launch-bound. Pure tensor indexing, so its
+  arithmetic also runs on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiering.copy.cuda.device import CudaDevice
+from tiering.copy.layout import KVLayout
+from tiering.copy.plan import BlockCopies, byte_runs
+
+
+def dma_copy(
+    device: CudaDevice,
+    entry: BlockCopies,
+    layout: KVLayout,
+    gpu_rows: torch.Tensor,
+    gpu_flat: torch.Tensor,
+    host_flat: torch.Tensor,
+    gpu_to_cpu: bool,
+) -> None:
+    """Enqueue one copy per run of adjacent blocks of ``entry``.
+
+    ``gpu_flat`` / ``host_flat`` are 1-D byte views of the KV tensor and of the
+    primary buffer (asynchronous when the host is pinned).
+    """
+    gpu_off = entry.gpu_offsets(gpu_rows.stride(0))
+    cpu_off = entry.cpu_offsets(layout)
+    if gpu_to_cpu:
+        src, dst, src_off, dst_off = gpu_flat, host_flat, gpu_off, cpu_off
+    else:
+        src, dst, src_off, dst_off = host_flat, gpu_flat, cpu_off, gpu_off
+    starts_s, starts_d, lengths = byte_runs(src_off, dst_off, entry.nbytes)
+    for s, d, n in zip(starts_s.tolist(), starts_d.tolist(), lengths.tolist(), strict=True):
+        device.copy_async(dst[d : d + n], src[s : s + n])
+
+
+def kernel_copy(
+    entry: BlockCopies,
+    layout: KVLayout,
+    gpu_rows: torch.Tensor,
+    mapped_flat: torch.Tensor,
+    gpu_idx: torch.Tensor,
+    cpu_idx: torch.Tensor,
+    sub_idx: torch.Tensor,
+    gpu_to_cpu: bool,
+) -> None:
+    """One gather and one scatter kernel for all of ``entry``'s blocks.
+
+    ``mapped_flat`` is the primary buffer as a 1-D byte tensor on the device
+    (device-mapped pinned memory); the indices are ``entry``'s block ids on
+    the device. Run through :meth:`CudaDevice.launch`.
+    """
+    t = entry.tensor_idx
+    page = layout.gpu_page_bytes[t]
+    pages = gpu_rows[:, : entry.nbytes]
+    if layout.block_size_factor == 1:
+        slots = torch.as_strided(
+            mapped_flat,
+            (layout.cpu_num_blocks, entry.nbytes),
+            (layout.cpu_block_bytes, 1),
+            layout.cpu_slot_offsets[t],
+        )
+        if gpu_to_cpu:
+            slots.index_copy_(0, cpu_idx, pages.index_select(0, gpu_idx))
+        else:
+            pages.index_copy_(0, gpu_idx, slots.index_select(0, cpu_idx))
+        return
+    sub_slots = torch.as_strided(
+        mapped_flat,
+        (layout.cpu_num_blocks, layout.block_size_factor, entry.nbytes),
+        (layout.cpu_block_bytes, page, 1),
+        layout.cpu_slot_offsets[t],
+    )
+    if gpu_to_cpu:
+        sub_slots.index_put_((cpu_idx, sub_idx), pages.index_select(0, gpu_idx))
+    else:
+        pages.index_copy_(0, gpu_idx, sub_slots[cpu_idx, sub_idx])
+
+
+def gpu_block_rows(
+    device: CudaDevice, tensor: torch.Tensor, page_size_bytes: int, what: str
+) -> torch.Tensor:
+    """A device tensor as ``(num_blocks, page_size_bytes)`` int8 rows, sharing memory.
+
+    Raises ``TypeError`` for a tensor that is not ``device``'s memory and
+    ``ValueError`` for one whose bytes cannot be viewed so without a copy.
+    """
+    if not isinstance(tensor, torch.Tensor) or not device.is_device_tensor(tensor):
+        raise TypeError(f"{what} must be a CUDA tensor for the CUDA copy engine")
+    if tensor.dtype != torch.int8:
+        if tensor.ndim == 0 or tensor.stride(-1) != 1:
+            raise ValueError(f"{what}: the last dimension must be contiguous")
+        tensor = tensor.view(torch.int8)
+    if tensor.ndim == 2 and tensor.shape[1] == page_size_bytes and tensor.stride(1) == 1:
+        return tensor
+    try:
+        return tensor.view(-1, page_size_bytes)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{what} of shape {tuple(tensor.shape)} cannot be viewed as rows of "
+            f"{page_size_bytes} bytes without a copy"
+        ) from exc
+
+
+def flat_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """A 1-D byte view from the first to the last byte of ``rows`` (rows may be strided)."""
+    span = (rows.shape[0] - 1) * rows.stride(0) + rows.shape[1]
+    return torch.as_strided(rows, (span,), (1,), rows.storage_offset())

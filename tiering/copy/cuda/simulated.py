@@ -1,0 +1,466 @@
+"""A simulated CUDA device in host memory that keeps CUDA's ordering rules.
+
+:class:`SimulatedCudaDevice` implements the engine's device seam
+(:class:`~tiering.copy.cuda.device.CudaDevice`) so that the CUDA copy engine's
+own code runs, unchanged, where no GPU exists. What it keeps of CUDA:
+
+* each stream is a FIFO of operations run *later*, in order: copies and
+  kernels really move their bytes when the stream reaches them, so a missing
+  wait shows up as stale bytes, not as luck;
+* events complete when their stream reaches them, ``wait_event`` /
+  ``wait_stream`` hold a stream until then, and nothing else is ordered;
+* host registration answers CUDA error codes (712 for an overlap), with
+  device addresses distinct from host addresses;
+* an error while running is sticky: every later ``Event.query`` raises.
+
+Two ways to run the streams:
+
+* ``mode="threads"`` (default): a worker thread per stream, sleeping a random
+  0..``max_delay_s`` before each operation (seeded), so completion order
+  varies like a GPU's;
+* ``mode="manual"``: nothing runs until the test says so: :meth:`step` runs
+  the next operation of one stream, :meth:`drain` runs everything runnable.
+  A Hypothesis state machine chooses the completion order this way.
+
+Faults (:attr:`faults`, :meth:`fail_copies`, :meth:`pause`): registration
+refused with a given code or above a per-call size limit, no device pointer,
+a mapping that reads other bytes, copies that raise when enqueued or fail
+when run, and streams that stop (a job that never finishes).
+
+Device memory is CPU tensors this device allocated (:meth:`alloc`,
+:meth:`to_device`); :meth:`close` stops the worker threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tiering.copy.cuda.device import (
+    CUDA_ERROR_ALREADY_REGISTERED,
+    CUDA_ERROR_MEMORY_ALLOCATION,
+    CudaDevice,
+)
+from tiering.copy.cuda.pins import DEFAULT_MAX_CHUNK_BYTES, PinRegistry
+
+#: ``cudaErrorHostMemoryNotRegistered``: unregistering a range nobody registered.
+CUDA_ERROR_NOT_REGISTERED = 713
+#: Device addresses of mapped host memory are host addresses plus this (as without UVA).
+DEVICE_ADDRESS_OFFSET = 1 << 52
+
+
+@dataclass
+class SimulatedFaults:
+    """Faults to inject; change them at any time."""
+
+    #: Every ``register_host`` answers this CUDA error code (e.g. 712, 2).
+    register_error: int | None = None
+    #: ``register_host`` of more bytes than this answers ``cudaErrorMemoryAllocation``.
+    register_limit_bytes: int | None = None
+    #: ``host_device_pointer`` answers None (no mapping for kernels).
+    no_device_pointer: bool = False
+    #: The mapping reads other memory than the host's (a broken mapping).
+    mapping_reads_wrong_bytes: bool = False
+
+
+class SimulatedEvent:
+    """A CUDA event: complete once its stream reached its latest record."""
+
+    def __init__(self, device: SimulatedCudaDevice) -> None:
+        self._device = device
+        self._issued = 0  # records enqueued
+        self._reached = 0  # records the stream has passed
+        self._reached_at = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        target = stream if stream is not None else self._device.current_stream()
+        with self._device._cond:
+            self._issued += 1
+            target._push(_Op("record", event=self, generation=self._issued))
+
+    def query(self) -> bool:
+        with self._device._cond:
+            self._device._raise_sticky_error()
+            return self._reached >= self._issued
+
+    def elapsed_time(self, end_event: Any) -> float:
+        with self._device._cond:
+            for event in (self, end_event):
+                if event._issued == 0 or event._reached < event._issued:
+                    raise RuntimeError("elapsed_time needs two recorded, completed events")
+            return float((end_event._reached_at - self._reached_at) * 1e3)
+
+
+class SimulatedStream:
+    """A CUDA stream: a FIFO of operations run by the device."""
+
+    def __init__(self, device: SimulatedCudaDevice, name: str, high_priority: bool) -> None:
+        self._device = device
+        self.name = name
+        self.high_priority = high_priority
+        self._queue: deque[_Op] = deque()
+
+    def __repr__(self) -> str:
+        return f"SimulatedStream({self.name}, {len(self._queue)} queued)"
+
+    def wait_event(self, event: Any) -> None:
+        with self._device._cond:
+            self._push(_Op("wait", event=event, generation=event._issued))
+
+    def wait_stream(self, stream: Any) -> None:
+        marker = SimulatedEvent(self._device)
+        marker.record(stream)
+        self.wait_event(marker)
+
+    @property
+    def pending(self) -> int:
+        """Operations not yet run."""
+        with self._device._cond:
+            return len(self._queue)
+
+    def _push(self, op: _Op) -> None:
+        """Enqueue (the device's lock held)."""
+        self._queue.append(op)
+        self._device._cond.notify_all()
+
+
+@dataclass
+class _Op:
+    kind: Literal["record", "wait", "work"]
+    event: SimulatedEvent | None = None
+    generation: int = 0
+    work: Callable[[], object] | None = None
+
+
+class SimulatedCudaDevice(CudaDevice):
+    """CUDA's ordering rules over host memory. See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        mode: Literal["threads", "manual"] = "threads",
+        seed: int = 0,
+        max_delay_s: float = 200e-6,
+        max_register_chunk_bytes: int | None = None,
+        min_register_chunk_bytes: int = 4096,
+    ) -> None:
+        if mode not in ("threads", "manual"):
+            raise ValueError(f"mode must be 'threads' or 'manual', got {mode!r}")
+        self.torch_device = torch.device("cpu")
+        self.mode = mode
+        self.max_delay_s = max_delay_s
+        self.faults = SimulatedFaults()
+        self.pins = PinRegistry(
+            max_chunk_bytes=max_register_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES,
+            min_chunk_bytes=min_register_chunk_bytes,
+        )
+        self._seed = seed
+        self._cond = threading.Condition()
+        self._streams: list[SimulatedStream] = []
+        self._workers: list[threading.Thread] = []
+        self._current = threading.local()
+        self._storages: dict[int, Any] = {}  # storage identity -> storage, kept alive
+        self._registered: dict[int, int] = {}  # host ptr -> nbytes
+        self._register_calls: list[tuple[int, int, int]] = []
+        self._copy_faults: deque[Literal["enqueue", "run"]] = deque()
+        self._sticky_error: str | None = None
+        self._paused = False
+        self._running = 0  # operations taken off a queue and not yet finished
+        self._closed = False
+        self.default_stream = self._make_stream("default", high_priority=False)
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        """Stop the worker threads (queued work is dropped). Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        for worker in self._workers:
+            worker.join()
+        self._workers.clear()
+
+    def __enter__(self) -> SimulatedCudaDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SimulatedCudaDevice(mode={self.mode})"
+
+    # -------------------------------------------------------------- device memory
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype = torch.int8) -> torch.Tensor:
+        """A zeroed device tensor."""
+        return self._adopt(torch.zeros(shape, dtype=dtype))
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A device copy of a host tensor (synchronous, as a test's setup)."""
+        return self._adopt(tensor.detach().clone())
+
+    def _adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        with self._cond:
+            self._storages[_storage_id(storage)] = storage
+        return tensor
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        with self._cond:
+            return _storage_id(tensor.untyped_storage()) in self._storages
+
+    # -------------------------------------------------------------- streams and events
+
+    def new_stream(self, *, high_priority: bool = False) -> SimulatedStream:
+        return self._make_stream(f"stream-{len(self._streams)}", high_priority)
+
+    def _make_stream(self, name: str, high_priority: bool) -> SimulatedStream:
+        stream = SimulatedStream(self, name, high_priority)
+        with self._cond:
+            index = len(self._streams)
+            self._streams.append(stream)
+        if self.mode == "threads":
+            worker = threading.Thread(
+                target=self._run_stream,
+                args=(stream, random.Random(self._seed * 1000 + index)),
+                name=f"simulated-cuda-{name}",
+                daemon=True,
+            )
+            self._workers.append(worker)
+            worker.start()
+        return stream
+
+    @property
+    def streams(self) -> list[SimulatedStream]:
+        with self._cond:
+            return list(self._streams)
+
+    def current_stream(self) -> SimulatedStream:
+        current: SimulatedStream | None = getattr(self._current, "stream", None)
+        return current if current is not None else self.default_stream
+
+    def new_event(self) -> SimulatedEvent:
+        return SimulatedEvent(self)
+
+    def on_stream(self, stream: Any) -> AbstractContextManager[None]:
+        return self._on_stream(stream)
+
+    @contextmanager
+    def _on_stream(self, stream: SimulatedStream) -> Iterator[None]:
+        previous = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = previous
+
+    # -------------------------------------------------------------- work
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.numel() * dst.element_size() != src.numel() * src.element_size():
+            raise RuntimeError(
+                f"copy of {src.numel() * src.element_size()} bytes into "
+                f"{dst.numel() * dst.element_size()}"
+            )
+        self._enqueue_work(lambda: dst.copy_(src), is_copy=True)
+
+    def launch(self, kernel: Callable[..., None], *args: Any) -> None:
+        self._enqueue_work(lambda: kernel(*args), is_copy=False)
+
+    def upload(self, values: npt.NDArray[np.int64]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        staged = torch.from_numpy(np.array(values, dtype=np.int64))
+        on_device = self.alloc((int(staged.numel()),), torch.int64)
+        self._enqueue_work(lambda: on_device.copy_(staged), is_copy=True)
+        return on_device, [staged, on_device]
+
+    def read_back(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    def fail_copies(self, count: int = 1, *, when: Literal["enqueue", "run"] = "enqueue") -> None:
+        """Make the next ``count`` copies raise at enqueue, or fail (stickily) when run."""
+        with self._cond:
+            self._copy_faults.extend([when] * count)
+
+    def _enqueue_work(self, work: Callable[[], object], *, is_copy: bool) -> None:
+        stream = self.current_stream()
+        with self._cond:
+            fault = self._copy_faults.popleft() if is_copy and self._copy_faults else None
+            if fault == "enqueue":
+                raise RuntimeError("CUDA error: invalid argument (simulated)")
+            if fault == "run":
+                work = _failing_work
+            stream._push(_Op("work", work=work))
+
+    # -------------------------------------------------------------- host memory
+
+    def register_host(self, ptr: int, nbytes: int) -> int:
+        with self._cond:
+            code = self._register_code(ptr, nbytes)
+            self._register_calls.append((ptr, nbytes, code))
+            if code == 0:
+                self._registered[ptr] = nbytes
+            return code
+
+    def _register_code(self, ptr: int, nbytes: int) -> int:
+        if self.faults.register_error is not None:
+            return self.faults.register_error
+        limit = self.faults.register_limit_bytes
+        if limit is not None and nbytes > limit:
+            return CUDA_ERROR_MEMORY_ALLOCATION
+        for start, size in self._registered.items():
+            if start < ptr + nbytes and ptr < start + size:
+                return CUDA_ERROR_ALREADY_REGISTERED
+        return 0
+
+    def unregister_host(self, ptr: int) -> int:
+        with self._cond:
+            if self._registered.pop(ptr, None) is None:
+                return CUDA_ERROR_NOT_REGISTERED
+            return 0
+
+    @property
+    def register_calls(self) -> list[tuple[int, int, int]]:
+        """``(ptr, nbytes, answered code)`` of every ``register_host`` call, in order."""
+        with self._cond:
+            return list(self._register_calls)
+
+    def registered_bytes(self, ptr: int, nbytes: int) -> int:
+        """How many bytes of ``[ptr, ptr + nbytes)`` are registered now."""
+        with self._cond:
+            return sum(
+                max(0, min(ptr + nbytes, start + size) - max(ptr, start))
+                for start, size in self._registered.items()
+            )
+
+    def host_device_pointer(self, ptr: int) -> int | None:
+        with self._cond:
+            if self.faults.no_device_pointer or not self._is_registered(ptr):
+                return None
+            return ptr + DEVICE_ADDRESS_OFFSET
+
+    def _is_registered(self, ptr: int) -> bool:
+        return any(start <= ptr < start + size for start, size in self._registered.items())
+
+    def device_bytes(self, device_ptr: int, nbytes: int) -> torch.Tensor:
+        host_ptr = device_ptr - DEVICE_ADDRESS_OFFSET
+        with self._cond:
+            if not (self._is_registered(host_ptr) and self._is_registered(host_ptr + nbytes - 1)):
+                raise RuntimeError(f"device address {device_ptr:#x} is not mapped host memory")
+            if self.faults.mapping_reads_wrong_bytes:
+                return self._adopt(torch.full((nbytes,), 0x3C, dtype=torch.int8))
+        raw = (ctypes.c_int8 * nbytes).from_address(host_ptr)
+        mapped = torch.frombuffer(raw, dtype=torch.int8)
+        self._adopt(mapped)
+        return mapped
+
+    def clear_last_error(self) -> None:
+        pass  # nothing is sticky in a failed runtime call here
+
+    # -------------------------------------------------------------- running streams
+
+    def pause(self) -> None:
+        """Stop every stream before its next operation (a device that hangs)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def step(self, stream: SimulatedStream) -> bool:
+        """Run the next operation of ``stream`` if it may run now; False if it may not."""
+        with self._cond:
+            if not self._runnable(stream):
+                return False
+            op = stream._queue.popleft()
+            self._running += 1
+        self._run(op)
+        return True
+
+    def runnable_streams(self) -> list[SimulatedStream]:
+        """The streams whose next operation may run now."""
+        with self._cond:
+            return [s for s in self._streams if self._runnable(s)]
+
+    def drain(self) -> None:
+        """Run operations (manual mode) until no stream can run; in threads mode, wait for that."""
+        if self.mode == "threads":
+            with self._cond:
+                while self._running or any(self._runnable(s) for s in self._streams):
+                    self._cond.wait(0.01)
+            return
+        while True:
+            ready = self.runnable_streams()
+            if not ready:
+                return
+            for stream in ready:
+                self.step(stream)
+
+    def _runnable(self, stream: SimulatedStream) -> bool:
+        """Whether the head of ``stream`` may run (the lock held)."""
+        if self._paused or not stream._queue:
+            return False
+        head = stream._queue[0]
+        if head.kind == "wait":
+            assert head.event is not None
+            return head.event._reached >= head.generation
+        return True
+
+    def _run(self, op: _Op) -> None:
+        if op.kind == "work":
+            assert op.work is not None
+            try:
+                op.work()
+            except Exception as exc:  # a kernel fault: sticky, as CUDA's asynchronous errors
+                with self._cond:
+                    self._sticky_error = self._sticky_error or f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            self._running -= 1
+            if op.kind == "record":
+                assert op.event is not None
+                op.event._reached = max(op.event._reached, op.generation)
+                op.event._reached_at = time.perf_counter()
+            self._cond.notify_all()
+
+    def _raise_sticky_error(self) -> None:
+        if self._sticky_error is not None:
+            raise RuntimeError(f"CUDA error (simulated, sticky): {self._sticky_error}")
+
+    def _run_stream(self, stream: SimulatedStream, rng: random.Random) -> None:
+        """A stream's worker thread (threads mode): a random delay before each operation."""
+        while True:
+            with self._cond:
+                while not self._closed and not self._runnable(stream):
+                    self._cond.wait()
+                if self._closed:
+                    return
+            if self.max_delay_s > 0:
+                time.sleep(rng.uniform(0.0, self.max_delay_s))
+            with self._cond:
+                # Closed or paused meanwhile: the top of the loop sorts it out.
+                if self._closed or not self._runnable(stream):
+                    continue
+                op = stream._queue.popleft()
+                self._running += 1
+            self._run(op)
+
+
+def _storage_id(storage: Any) -> int:
+    """The identity of a tensor's storage (shared by its views; a host buffer's is another)."""
+    return int(storage._cdata)
+
+
+def _failing_work() -> None:
+    raise RuntimeError("an illegal memory access was encountered")
