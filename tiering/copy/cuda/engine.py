@@ -123,14 +123,17 @@ class CudaCopyJob(CopyJob):
 def default_device(tensors: Sequence[Any]) -> CudaDevice:
     """The real device the KV tensors live on.
 
-    Raises ``TypeError`` if the first tensor is not a CUDA tensor and
-    ``RuntimeError`` where CUDA is unavailable.
+    Raises ``TypeError`` if the first tensor is not a CUDA tensor (not a
+    tensor at all, before anything else) and ``RuntimeError`` where CUDA is
+    unavailable.
     """
     first = tensors[0] if tensors else None
-    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+    if not isinstance(first, torch.Tensor):
         raise TypeError("KV-cache tensor 0 must be a CUDA tensor for the CUDA copy engine")
     if not torch.cuda.is_available():
         raise RuntimeError("the CUDA copy engine needs a CUDA device; use HostCopyEngine")
+    if first.device.type != "cuda":
+        raise TypeError("KV-cache tensor 0 must be a CUDA tensor for the CUDA copy engine")
     from tiering.copy.cuda.torch_device import TorchCudaDevice
 
     return TorchCudaDevice(first.device)
