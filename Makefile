@@ -11,7 +11,7 @@ LOCK   := constraints.txt
 NATIVE := setup.py tiering/copy/_bulkcopy.c
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(NATIVE) | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck unit docs install lock clean
+.PHONY: demo test lint typecheck unit docs install lock clean cuda-coverage mutation-check gpu-check
 
 $(STAMP): pyproject.toml $(LOCK) $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,7 +42,18 @@ unit: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-test: docs lint typecheck unit
+# The CUDA engine and its device seam, line coverage on the simulated device (no GPU
+# needed); fails under 90 % (pyproject.toml's [tool.coverage.*]).
+CUDA_TESTS := tests/test_copy_cuda.py tests/test_copy_cuda_faults.py tests/test_copy_cuda_machine.py
+cuda-coverage: $(STAMP)
+	$(PY) -m coverage run -m pytest -q -p no:cacheprovider $(CUDA_TESTS)
+	$(PY) -m coverage report
+
+# Remove each of the CUDA engine's ordering waits in turn; the tests must catch both.
+mutation-check: $(STAMP)
+	HYPOTHESIS_PROFILE=no-shrink $(PY) scripts/mutation_check.py
+
+test: docs lint typecheck unit cuda-coverage
 
 # After changing dependencies in pyproject.toml: resolve them afresh in a scratch
 # virtualenv and write the lock (torch stays pinned by the install command above).

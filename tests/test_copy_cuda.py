@@ -35,9 +35,12 @@ from tests.cuda_rigs import (
 )
 from tests.test_copy_layout import cpu_blocks_needed, make_layout
 from tiering.copy import Lane, plan_transfer, required_cpu_block_bytes
-from tiering.copy.cuda import dma_copy, flat_bytes, gpu_block_rows, kernel_copy
+from tiering.copy.cuda import CudaCopyEngine, dma_copy, flat_bytes, gpu_block_rows, kernel_copy
+from tiering.copy.cuda.engine import default_device
 from tiering.copy.cuda.pins import PinRegistry
 from tiering.copy.cuda.simulated import SimulatedCudaDevice
+from tiering.copy.cuda.torch_device import TorchCudaDevice, _CudaRuntime
+from tiering.errors import TierClosedError
 from tiering.host_buffer import HostBuffer
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
@@ -109,6 +112,7 @@ def test_gpu_block_rows_views_device_tensors_and_names_what_does_not_fit() -> No
 
 def round_trip(kv: KVRig, seed: int) -> None:
     """Store random blocks of every group, check the rows, load them elsewhere, check the pages."""
+    kv.host.as_numpy()[:] = SENTINEL  # no job in flight: what earlier tests wrote goes
     rng = random.Random(seed)
     groups = len(kv.groups)
     sizes, starts = GROUP_SIZES[:groups], GROUP_STARTS[:groups]
@@ -324,3 +328,61 @@ def test_shutdown_lets_the_jobs_in_flight_finish(kind: str) -> None:
         assert not rig.is_pinned(host)
         assert not kv.worker.submit_store(9, g0([0, 1]), CPULoadStoreSpec([9]))
         kv.host.close()
+
+
+# -- misuse -------------------------------------------------------------------------------
+
+
+def test_the_engine_names_what_does_not_fit_and_pins_nothing() -> None:
+    sim = SimulatedCudaDevice(mode="manual")
+    layout = make_layout(PAGES, GROUPS, gpu_blocks=40, cpu_blocks=24)
+    gpu = [sim.alloc((40, p)) for p in PAGES]
+    host = np.zeros((24, layout.cpu_block_bytes), np.uint8)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"strategy": "fast"}, "strategy must be 'auto', 'dma' or 'kernel', got 'fast'"),
+        ({"gpu_tensors": gpu[:1]}, "1 KV-cache tensors but the layout describes 2"),
+        (
+            {"gpu_tensors": [gpu[0], sim.alloc((30, 4096))]},
+            "KV-cache tensor 1 has 30 blocks, the layout says 40",
+        ),
+        ({"host": host[:23]}, "the host buffer is 23 x 8192 bytes, the layout says 24 x 8192"),
+    ]
+    for overrides, message in cases:
+        kwargs: dict[str, Any] = {"gpu_tensors": gpu, "host": host, "device": sim, **overrides}
+        with pytest.raises(ValueError, match=message):
+            CudaCopyEngine(layout, **kwargs)
+    assert sim.registered_bytes(0, 1 << 62) == 0
+
+
+def test_a_job_reports_only_once_finished_and_a_closed_engine_refuses_jobs() -> None:
+    sim = SimulatedCudaDevice(mode="manual")
+    layout = make_layout(PAGES, GROUPS, gpu_blocks=40, cpu_blocks=24)
+    gpu = [sim.alloc((40, p)) for p in PAGES]
+    host = np.zeros((24, layout.cpu_block_bytes), np.uint8)
+    engine = CudaCopyEngine(layout, gpu, host, device=sim)
+    assert "CudaCopyEngine(SimulatedCudaDevice(mode=manual), strategy=auto" in repr(engine)
+    job = engine.submit(plan_transfer(layout, g0([1]), CPULoadStoreSpec([1]), Lane.STORE))
+    assert not job.done()
+    with pytest.raises(RuntimeError, match="has not finished"):
+        job.outcome()
+    sim.drain()
+    assert job.outcome().success and job.outcome().seconds >= 0
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    with pytest.raises(TierClosedError, match="shut down"):
+        engine.submit(plan_transfer(layout, g0([1]), CPULoadStoreSpec([1]), Lane.STORE))
+
+
+def test_the_real_device_is_refused_clearly_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: the real device is what the other tests run on")
+    with pytest.raises(TypeError, match="must be a CUDA tensor"):
+        default_device([np.zeros((4, 16), np.uint8)])
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        default_device([torch.zeros(4, 16)])
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        TorchCudaDevice("cuda:0")
+    runtime = _CudaRuntime()  # no libcudart on a CPU-only install: everything "unavailable"
+    if runtime.lib is None:
+        runtime.clear_last_error()
+        assert runtime.host_device_pointer(4096) is None

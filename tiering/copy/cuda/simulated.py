@@ -72,6 +72,10 @@ class SimulatedFaults:
     no_device_pointer: bool = False
     #: The mapping reads other memory than the host's (a broken mapping).
     mapping_reads_wrong_bytes: bool = False
+    #: Wrapping a device address as a tensor raises (as an unsupported mapping would).
+    mapping_raises: bool = False
+    #: Each registration gets device addresses of its own, not one contiguous range.
+    scattered_device_addresses: bool = False
 
 
 class SimulatedEvent:
@@ -347,6 +351,9 @@ class SimulatedCudaDevice(CudaDevice):
         with self._cond:
             if self.faults.no_device_pointer or not self._is_registered(ptr):
                 return None
+            if self.faults.scattered_device_addresses:
+                start = next(s for s, n in self._registered.items() if s <= ptr < s + n)
+                return ptr + DEVICE_ADDRESS_OFFSET + list(self._registered).index(start) * 4096
             return ptr + DEVICE_ADDRESS_OFFSET
 
     def _is_registered(self, ptr: int) -> bool:
@@ -357,6 +364,8 @@ class SimulatedCudaDevice(CudaDevice):
         with self._cond:
             if not (self._is_registered(host_ptr) and self._is_registered(host_ptr + nbytes - 1)):
                 raise RuntimeError(f"device address {device_ptr:#x} is not mapped host memory")
+            if self.faults.mapping_raises:
+                raise RuntimeError("CUDA error: operation not supported (simulated)")
             if self.faults.mapping_reads_wrong_bytes:
                 return self._adopt(torch.full((nbytes,), 0x3C, dtype=torch.int8))
         raw = (ctypes.c_int8 * nbytes).from_address(host_ptr)

@@ -1,4 +1,4 @@
-"""``KVTieringOffloadingSpec``: vLLM's tiered offloading with our copy engine and our tiers.
+"""``KVTieringOffloadingSpec``: vLLM's tiered offloading, our tiers and a choice of copy worker.
 
 Selected in ``kv_connector_extra_config`` with ``"spec_name":
 "KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"``.
@@ -11,10 +11,20 @@ manager keeps everything the engine relies on around it (its metrics, KV
 events, ``reset_cache``, request-level policies, peer tiers) exactly as vLLM
 tests it, and puts our code where it adds to it: the tiers and the copies.
 
-Worker side: our copy engine (:mod:`tiering.copy`) over the same shared
-region, instead of vLLM's ``CPUOffloadingWorker``: the host engine on CPU
-platforms (where vLLM's own worker refuses to start), the CUDA engine (streams
-and events) when the KV cache lives on a CUDA device.
+Worker side, by ``copy_engine`` (:func:`resolve_copy_engine`):
+
+* ``"auto"`` (default): vLLM's own ``CPUOffloadingWorker`` on CUDA-alike and
+  XPU platforms - it runs on CUDA streams and events too, and vLLM's users run
+  it every day - until our CUDA engine has passed the GPU check on real
+  hardware (``make gpu-check``, recorded in ``docs/copy-engine.md``); our host
+  engine on CPU platforms, where vLLM's worker refuses to start;
+* ``"cuda"``: our CUDA engine (streams and events, :mod:`tiering.copy.cuda`);
+* ``"host"``: our host engine (CPU KV tensors);
+* ``"vllm"``: vLLM's worker, explicitly.
+
+The bytes a worker writes into a CPU row are its row layout; persistent and
+shared tiers name it in their layout fingerprint (:attr:`row_layout`), so a
+block written by one worker is never read by another.
 """
 
 from __future__ import annotations
@@ -28,8 +38,10 @@ from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+import tiering.integrations.vllm.platform as platform_probe
 from tiering.copy import CopyWorker, make_copy_worker
 from tiering.integrations.vllm.policy import vllm_cache_policy
+from tiering.integrations.vllm.translate import vllm_row_layout
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 logger = logging.getLogger("tiering.integrations.vllm")
@@ -125,14 +137,46 @@ class CopyEngineOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLL
                 self._region.cleanup()
 
 
+#: What ``copy_engine`` may name.
+COPY_ENGINES = ("auto", "vllm", "cuda", "host")
+#: The row layout our copy engines (host and CUDA) write: ``tiering.copy.layout.KVLayout``.
+OUR_ROW_LAYOUT = "kv-tiering-worker/1"
+
+
+def resolve_copy_engine(requested: object, *, gpu_platform: bool) -> str:
+    """The worker ``copy_engine: requested`` runs on this platform.
+
+    ``gpu_platform`` is vLLM's ``current_platform.is_cuda_alike() or
+    is_xpu()``. Raises ``ValueError`` naming the key for a value it does not
+    know or an engine this platform cannot run.
+    """
+    if requested not in COPY_ENGINES:
+        raise ValueError(
+            f"copy_engine must be one of {', '.join(map(repr, COPY_ENGINES))}, got {requested!r}"
+        )
+    if requested == "auto":
+        # vLLM's worker until ours passes the GPU check on real hardware (docs/copy-engine.md).
+        return "vllm" if gpu_platform else "host"
+    if requested in ("vllm", "cuda") and not gpu_platform:
+        raise ValueError(
+            f"copy_engine {requested!r} needs a CUDA device, and this vLLM platform has none; "
+            "use 'auto' or 'host'"
+        )
+    if requested == "host" and gpu_platform:
+        raise ValueError(
+            "copy_engine 'host' copies CPU KV tensors, and this vLLM platform keeps them on "
+            "the GPU; use 'auto', 'vllm' or 'cuda'"
+        )
+    return str(requested)
+
+
 class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # vLLM is untyped
-    """vLLM's ``TieringOffloadingSpec`` whose worker side is our copy engine.
+    """vLLM's ``TieringOffloadingSpec`` with our tiers' policies and a choice of copy worker.
 
     ``kv_connector_extra_config`` is the same as for vLLM's tiering spec
     (``cpu_bytes_to_use``, ``block_size``, ``eviction_policy``,
-    ``secondary_tiers``...) plus ``copy_engine``: ``"auto"`` (default: CUDA
-    engine for CUDA KV tensors, host engine otherwise), ``"host"`` or
-    ``"cuda"``. ``eviction_policy`` also takes every policy kv-tiering resolves
+    ``secondary_tiers``...) plus ``copy_engine`` (see the module docstring).
+    ``eviction_policy`` also takes every policy kv-tiering resolves
     (``"kvaware"``, ``"pkg.mod:Class"``, entry points, options), run inside
     vLLM's CPU tier through :mod:`tiering.integrations.vllm.policy`.
     """
@@ -141,24 +185,40 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
         super().__init__(config)
         # Read by vLLM when it builds its CPU primary tier (in get_manager).
         self.eviction_policy, self.cache_policy_module_path = vllm_cache_policy(self.extra_config)
-        engine = self.extra_config.get("copy_engine", "auto")
-        if engine not in ("auto", "host", "cuda"):
-            raise ValueError(f"copy_engine must be 'auto', 'host' or 'cuda', got {engine!r}")
-        self._copy_engine = engine
+        requested = self.extra_config.get("copy_engine", "auto")
+        self.copy_engine = resolve_copy_engine(requested, gpu_platform=platform_probe.has_gpu())
+        if self.copy_engine != "vllm" and self.config.canonical_layout:
+            raise ValueError(
+                f"copy_engine {self.copy_engine!r} does not write canonical_layout rows; remove "
+                "canonical_layout from kv_connector_extra_config, or use copy_engine 'vllm'"
+            )
+        #: The row layout the worker writes (part of persistent tiers' layout fingerprint).
+        self.row_layout = (
+            vllm_row_layout(bool(self.config.canonical_layout))
+            if self.copy_engine == "vllm"
+            else OUR_ROW_LAYOUT
+        )
+        if requested == "auto":
+            logger.info(
+                "copy_engine 'auto' chose %s: %s",
+                "vLLM's CPUOffloadingWorker" if self.copy_engine == "vllm" else "our host engine",
+                "our CUDA engine has not yet passed the GPU check on real hardware; "
+                "copy_engine 'cuda' selects it"
+                if self.copy_engine == "vllm"
+                else "the KV cache is in CPU memory, where vLLM's worker does not run",
+            )
 
     def get_worker(self, kv_caches: Any) -> Any:
-        """Our worker on every platform (vLLM's refuses anything but CUDA and XPU)."""
+        """The copy worker, built once (vLLM's refuses anything but CUDA and XPU)."""
         worker: Any = getattr(self, "_worker", None)  # set by vLLM's CPUOffloadingSpec
         if not worker:
             worker = self._worker = self.create_worker(kv_caches)
         return worker
 
     def create_worker(self, kv_caches: Any) -> Any:
-        if self.config.canonical_layout:
-            raise NotImplementedError(
-                "KVTieringOffloadingSpec does not support canonical_layout yet; remove it "
-                "from kv_connector_extra_config"
-            )
+        if self.copy_engine == "vllm":
+            logger.info("kv-tiering: the copies run on vLLM's CPUOffloadingWorker")
+            return super().create_worker(kv_caches)
         rank = 0 if self.replicated_layout else self.config.parallel.rank
         region = SharedOffloadRegion(
             engine_id=self._engine_id,
@@ -174,7 +234,7 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
                 rows,
                 block_size_factor=self.blocks_per_chunk,
                 worker_index=rank,
-                engine=self._copy_engine,
+                engine=self.copy_engine,  # type: ignore[arg-type]  # 'host' or 'cuda' here
             )
             del rows
         except Exception:

@@ -77,6 +77,18 @@ def job_result(result: JobResult, *, is_promotion: bool) -> Any:
     )
 
 
+def vllm_row_layout(canonical: bool) -> str:
+    """The row layout vLLM's own ``CPUOffloadingWorker`` writes, named by vLLM's version.
+
+    The version is part of the name because nothing promises that the next
+    vLLM lays its rows out the same way.
+    """
+    from vllm import __version__
+
+    major_minor = ".".join(__version__.split(".")[:2])
+    return f"vllm-{major_minor}-worker/{'canonical' if canonical else 'direct'}"
+
+
 def layout_fingerprint(offloading_spec: Any, block_bytes: int) -> str:
     """A name for the KV layout whose bytes a persistent tier stores.
 
@@ -84,10 +96,15 @@ def layout_fingerprint(offloading_spec: Any, block_bytes: int) -> str:
     tokens per hash, blocks per chunk, the KV-cache groups and their layers,
     the parallel layout (collapsed when vLLM declares the bytes
     parallelism-agnostic, as its own filesystem tier does), the replicated and
-    canonical layouts - and the chunk's size in bytes. A tier must never serve
-    bytes written under another fingerprint.
+    canonical layouts, the row layout the copy worker writes (``row_layout`` of
+    ``KVTieringOffloadingSpec``; vLLM's own worker for vLLM's spec) - and the
+    chunk's size in bytes. A tier must never serve bytes written under another
+    fingerprint.
     """
     config = offloading_spec.config
+    row_layout = getattr(offloading_spec, "row_layout", None)
+    if not isinstance(row_layout, str):
+        row_layout = vllm_row_layout(bool(config.canonical_layout))
     parallel = config.parallel
     agnostic = bool(parallel.is_parallelism_agnostic or config.replicated_layout)
     fields: dict[str, Any] = {
@@ -108,6 +125,7 @@ def layout_fingerprint(offloading_spec: Any, block_bytes: int) -> str:
         ],
         "replicated_layout": bool(config.replicated_layout),
         "canonical_layout": config.kv_cache_layout if config.canonical_layout else None,
+        "row_layout": row_layout,
         "chunk_bytes": block_bytes,
     }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

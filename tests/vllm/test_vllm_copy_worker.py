@@ -1,0 +1,167 @@
+"""Which copy worker ``KVTieringOffloadingSpec`` runs, and that tiers never mix row layouts.
+
+These machines have no GPU, so the GPU platform is answered by patching the
+one function the spec asks (``tiering.integrations.vllm.platform.has_gpu``)
+and vLLM's worker class is replaced by a recorder: what is tested is the
+selection, not vLLM's CUDA code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import pytest
+import vllm
+import vllm.v1.kv_offload.tiering.spec as vllm_tiering_spec
+
+import tiering.integrations.vllm.platform as platform_probe
+from tests.vllm.conftest import shut_down
+from tests.vllm.test_vllm_tiers import ours, tier_of
+from tiering.integrations.vllm.driver import (
+    PatternChecker,
+    build_manager,
+    chained_keys,
+    fill_pattern,
+    offloading_config,
+)
+from tiering.integrations.vllm.spec import (
+    OUR_ROW_LAYOUT,
+    KVTieringOffloadingSpec,
+    resolve_copy_engine,
+)
+from tiering.integrations.vllm.translate import layout_fingerprint, vllm_row_layout
+
+OUR_SPEC = {"spec_name": "KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"}
+
+
+@pytest.mark.parametrize(
+    ("requested", "gpu", "chosen"),
+    [
+        ("auto", True, "vllm"),  # until our CUDA engine passes the GPU check
+        ("auto", False, "host"),  # vLLM's worker refuses CPU platforms
+        ("cuda", True, "cuda"),
+        ("vllm", True, "vllm"),
+        ("host", False, "host"),
+    ],
+)
+def test_copy_engine_selection(requested: str, gpu: bool, chosen: str) -> None:
+    assert resolve_copy_engine(requested, gpu_platform=gpu) == chosen
+
+
+@pytest.mark.parametrize(
+    ("requested", "gpu", "message"),
+    [
+        ("fast", True, "copy_engine must be one of 'auto', 'vllm', 'cuda', 'host', got 'fast'"),
+        (None, False, "copy_engine must be one of"),
+        ("cuda", False, "copy_engine 'cuda' needs a CUDA device"),
+        ("vllm", False, "copy_engine 'vllm' needs a CUDA device"),
+        ("host", True, "copy_engine 'host' copies CPU KV tensors"),
+    ],
+)
+def test_copy_engine_that_cannot_run_is_refused_naming_it(
+    requested: Any, gpu: bool, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_copy_engine(requested, gpu_platform=gpu)
+
+
+class RecordingVllmWorker:
+    """Stands in for vLLM's CPUOffloadingWorker (its CUDA ops cannot run here)."""
+
+    built: ClassVar[list[dict[str, Any]]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        RecordingVllmWorker.built.append(kwargs)
+
+
+def spec_for(extra: dict[str, Any], **fields: Any) -> KVTieringOffloadingSpec:
+    """Our spec for ``extra`` (``kv_connector_extra_config``) and OffloadingConfig ``fields``."""
+    config = offloading_config([], block_bytes=64 * 1024, num_chunks=8, extra_config=extra)
+    return KVTieringOffloadingSpec(dataclasses.replace(config, **fields))
+
+
+def test_auto_on_a_gpu_platform_runs_vllms_worker_and_names_its_layout(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(platform_probe, "has_gpu", lambda: True)
+    monkeypatch.setattr(vllm_tiering_spec, "CPUOffloadingWorker", RecordingVllmWorker)
+    RecordingVllmWorker.built.clear()
+    with caplog.at_level("INFO", logger="tiering.integrations.vllm"):
+        spec = spec_for(OUR_SPEC)
+    assert spec.copy_engine == "vllm"
+    assert any("not yet passed the GPU check" in m for m in caplog.messages)
+    major_minor = ".".join(vllm.__version__.split(".")[:2])
+    assert spec.row_layout == f"vllm-{major_minor}-worker/direct"
+    worker = spec.get_worker(kv_caches=object())
+    assert isinstance(worker, RecordingVllmWorker)
+    assert spec.get_worker(kv_caches=object()) is worker  # built once
+    (kwargs,) = RecordingVllmWorker.built
+    assert kwargs["blocks_per_chunk"] == spec.blocks_per_chunk
+    kwargs["mmap_region"].cleanup()
+
+
+def test_copy_engine_cuda_selects_ours_on_a_gpu_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(platform_probe, "has_gpu", lambda: True)
+    spec = spec_for({**OUR_SPEC, "copy_engine": "cuda"})
+    assert spec.copy_engine == "cuda" and spec.row_layout == OUR_ROW_LAYOUT
+
+
+def test_on_this_cpu_platform_auto_is_our_host_engine() -> None:
+    spec = spec_for(OUR_SPEC)
+    assert spec.copy_engine == "host" and spec.row_layout == OUR_ROW_LAYOUT
+    assert not hasattr(spec, "_worker") or not spec._worker
+    with pytest.raises(ValueError, match="copy_engine 'cuda' needs a CUDA device"):
+        spec_for({**OUR_SPEC, "copy_engine": "cuda"})
+
+
+def test_canonical_layout_is_refused_for_our_engines() -> None:
+    with pytest.raises(ValueError, match="does not write canonical_layout rows"):
+        spec_for(OUR_SPEC, canonical_layout=True)
+
+
+def test_the_fingerprint_names_the_row_layout_of_the_worker() -> None:
+    ours_spec = spec_for(OUR_SPEC)
+    vllms = vllm_tiering_spec.TieringOffloadingSpec(
+        offloading_config([], block_bytes=64 * 1024, num_chunks=8)
+    )
+    assert layout_fingerprint(ours_spec, 65536) != layout_fingerprint(vllms, 65536)
+    assert vllm_row_layout(False) != vllm_row_layout(True) != OUR_ROW_LAYOUT
+
+
+def test_blocks_written_under_one_row_layout_are_misses_under_another(tmp_path: Any) -> None:
+    entry = ours("KVTieringFileSystemTier", root_dir=str(tmp_path / "fs"))
+    keys = chained_keys("row-layout", 10)
+
+    def manager(extra: dict[str, Any] | None) -> tuple[Any, Any]:
+        from tiering.integrations.vllm.driver import SchedulerDriver
+
+        config = offloading_config(
+            [entry], block_bytes=64 * 1024, num_chunks=32, extra_config=extra
+        )
+        built = build_manager(config)
+        return built, SchedulerDriver(built)
+
+    # Written by our worker's layout (KVTieringOffloadingSpec, host engine here).
+    m, driver = manager(OUR_SPEC)
+    driver.store("ours", keys, fill_pattern)
+    driver.run_until_idle()
+    assert tier_of(m).stats().blocks_held == 10
+    shut_down(m, driver)
+
+    # The same root under vLLM's worker layout (vLLM's own spec): misses, no bytes served.
+    m, driver = manager(None)
+    checker = PatternChecker()
+    assert driver.load("vllms-worker", keys, checker) == 0
+    assert checker.good == 0 and checker.bad == []
+    shut_down(m, driver)
+
+
+def test_vllms_worker_may_write_canonical_rows_and_the_fingerprint_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(platform_probe, "has_gpu", lambda: True)
+    canonical = spec_for(OUR_SPEC, canonical_layout=True)
+    direct = spec_for(OUR_SPEC)
+    assert canonical.row_layout.endswith("/canonical") and direct.row_layout.endswith("/direct")
+    assert layout_fingerprint(canonical, 65536) != layout_fingerprint(direct, 65536)
