@@ -11,7 +11,8 @@ LOCK   := constraints.txt
 NATIVE := setup.py tiering/copy/_bulkcopy.c
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(NATIVE) | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck unit docs install lock clean cuda-coverage mutation-check gpu-check
+.PHONY: demo test lint typecheck unit docs install lock clean cuda-coverage mutation-check \
+	gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml $(LOCK) $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +55,20 @@ mutation-check: $(STAMP)
 	HYPOTHESIS_PROFILE=no-shrink $(PY) scripts/mutation_check.py
 
 test: docs lint typecheck unit cuda-coverage
+
+# On the accelerator machine (no network, no venv: its own python3 with torch): the CUDA
+# engine's tests on the GPU, the GPU benchmark and a byte-exact soak, one summary
+# (scripts/gpu_check.sh). GPU_CHECK_DEVICE=simulated dry-runs it anywhere.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+# Here, before a device run: the wheels that machine lacks (Python 3.12), into .whl/,
+# which the device run carries along.
+GPU_WHEELS := $(shell grep -i '^pytest-asyncio==' $(LOCK))
+gpu-wheels:
+	grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 # After changing dependencies in pyproject.toml: resolve them afresh in a scratch
 # virtualenv and write the lock (torch stays pinned by the install command above).
