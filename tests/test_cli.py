@@ -598,3 +598,27 @@ def test_output_piped_into_a_reader_that_stops_early_is_not_an_error() -> None:
     err = process.stderr.read()
     assert process.wait(timeout=120) == EXIT_OK, err
     assert "Traceback" not in err and "error" not in err
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("units.yaml", "cpu_bytes_to_use: 16MiB\n"),
+        ("units.json", '{"cpu_bytes_to_use": "16 MiB"}'),
+        ("float.json", '{"cpu_bytes_to_use": 1.6777216e7}'),
+        ("bytes.yaml", "cpu_bytes_to_use: 16777216\n"),
+        ("si.json", '{"cpu_bytes_to_use": "16.777216MB"}'),
+    ],
+)
+def test_every_documented_size_spelling_runs_a_replay_and_its_report(
+    tmp_path: Path, name: str, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/configuration.md's sizes: bytes, a unit (binary or SI), an integral float."""
+    config = tmp_path / name
+    config.write_text(text)
+    tier = "memory:capacity_bytes=8MiB"
+    assert main(["replay", *SMALL, "--config", str(config), "--tier", tier, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["setup"]["cpu_bytes_to_use"] == 16 * 2**20
+    assert main(["replay", *SMALL, "--config", str(config), "--tier", tier]) == 0
+    assert "CPU primary 16.0 MiB" in capsys.readouterr().out

@@ -264,3 +264,60 @@ def test_a_deeply_nested_tier_given_on_the_command_line(
     assert replay("--tier", tier) == EXIT_BAD_INPUT
     line = one_error_line(capsys)
     assert '--tier \'{"type": "memory", "x": [[[' in line and "JSON nested too deeply" in line
+
+
+# -- numbers longer than Python converts --------------------------------------------------------
+
+HUGE = "9" * 5000  # past Python's 4,300-digit conversion limit
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("long.json", '{"cpu_bytes_to_use": ' + HUGE + "}"),
+        ("long.yaml", "cpu_bytes_to_use: " + HUGE + "\n"),
+        (
+            "tier.json",
+            '{"cpu_bytes_to_use": 1048576, "secondary_tiers": '
+            '[{"type": "memory", "capacity_blocks": ' + HUGE + "}]}",
+        ),
+    ],
+)
+def test_a_config_number_of_thousands_of_digits_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str
+) -> None:
+    config = tmp_path / name
+    config.write_text(text)
+    assert replay("--config", str(config)) == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert str(config) in line and "digits" in line and HUGE[:30] not in line
+
+
+def test_a_tier_option_of_thousands_of_digits_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert replay("--tier", f"memory:capacity_blocks={HUGE}") == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert "--tier memory: capacity_blocks: a number of 5000 digits" in line
+    assert replay("--tier", '{"type": "memory", "capacity_blocks": ' + HUGE + "}") == EXIT_BAD_INPUT
+    assert "a number of 5000 digits" in one_error_line(capsys)
+
+
+def test_a_trace_number_of_thousands_of_digits_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    good = '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}'
+    bad = '{"timestamp": 1, "input_length": ' + HUGE + ', "output_length": 1, "hash_ids": [3]}'
+    trace.write_text(good + "\n" + bad + "\n")
+    assert main(["replay", str(trace), "--no-progress"]) == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert f"{trace} line 2: a number of 5000 digits" in line
+
+
+def test_a_huge_python_integer_in_a_config_dict_is_named_not_printed() -> None:
+    from tiering.config import TieringConfig
+    from tiering.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=<an integer of about \d+ digits>"):
+        TieringConfig.from_extra_config({"cpu_bytes_to_use": 10**6000})

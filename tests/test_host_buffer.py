@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import multiprocessing
 import os
 import subprocess
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from tiering.errors import ConfigError
-from tiering.host_buffer import SHM_DIR, HostBuffer, make_shared_name
+from tiering.host_buffer import SHM_DIR, HostBuffer, make_shared_name, remove_stale_shared
 
 BLOCK = 4096
 
@@ -187,3 +189,75 @@ def test_importing_the_primary_tier_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- buffers left behind by dead processes ------------------------------------------------
+
+_HOLDER = """
+import sys
+from tiering.host_buffer import HostBuffer, make_shared_name
+buffer = HostBuffer.create(2, 4096, shared_name=make_shared_name(sys.argv[1]))
+print(buffer.name, flush=True)
+sys.stdin.read()  # lives until the test closes our stdin
+"""
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(proc.stdout)
+
+
+def test_stale_buffers_of_dead_creators_are_removed_and_live_ones_never_touched() -> None:
+    prefix = f"kvtiertest{os.getpid()}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, prefix],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    created: list[str] = []
+    try:
+        assert holder.stdout is not None
+        live_locked = holder.stdout.readline().strip()  # a live process's buffer, locked
+        assert live_locked.startswith(f"{prefix}-{holder.pid}-")
+        # A live process's name without the lock (e.g. made by an older version): kept.
+        live_unlocked = f"{prefix}-{holder.pid}-{'1' * 16}"
+        # A dead creator's buffers: one unlocked (removed), one whose lock a live process
+        # still holds (an inherited descriptor, or a creator in another pid namespace): kept.
+        dead = _dead_pid()
+        dead_unlocked = f"{prefix}-{dead}-{'2' * 16}"
+        dead_but_locked = f"{prefix}-{dead}-{'3' * 16}"
+        other_prefix = f"other{os.getpid()}-{dead}-{'4' * 16}"
+        for name in (live_unlocked, dead_unlocked, dead_but_locked, other_prefix):
+            with open(os.path.join(SHM_DIR, name), "wb") as file:
+                file.write(b"\0" * 4096)
+            created.append(name)
+        lock_fd = os.open(os.path.join(SHM_DIR, dead_but_locked), os.O_RDONLY)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        try:
+            assert remove_stale_shared(prefix) == [dead_unlocked]
+        finally:
+            os.close(lock_fd)
+        left = set(os.listdir(SHM_DIR))
+        assert {live_locked, live_unlocked, dead_but_locked, other_prefix} <= left
+        assert dead_unlocked not in left
+        # Creating a buffer sweeps too: the dead creator's last one goes now that it is free.
+        with HostBuffer.create(1, 4096, shared_name=make_shared_name(prefix)) as mine:
+            assert dead_but_locked not in os.listdir(SHM_DIR)
+            assert live_locked in os.listdir(SHM_DIR) and mine.name in os.listdir(SHM_DIR)
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        assert holder.wait(timeout=60) == 0
+        for name in created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, name))
+    # The holder exited without unlinking its buffer: now it is stale.
+    assert remove_stale_shared(prefix) == [live_locked]

@@ -315,7 +315,15 @@ def check_host_memory(
 
 # -- value checks ---------------------------------------------------------------------------
 
-_SHOWN = reprlib.Repr()
+class _ShortRepr(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 3 * _SHOWN_INT_DIGITS:  # past Python's digit limit repr() raises
+            return f"<an integer of about {int(x.bit_length() * 0.30103)} digits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN_INT_DIGITS = 1000
+_SHOWN = _ShortRepr()
 _SHOWN.maxlevel = 3
 _SHOWN.maxstring = 60
 _SHOWN.maxother = 80

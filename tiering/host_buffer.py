@@ -16,11 +16,13 @@ last view still held elsewhere is released.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
+import stat
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +51,80 @@ _SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 def make_shared_name(prefix: str = "kvtier") -> str:
     """A fresh, unguessable name for a shared buffer: ``<prefix>-<pid>-<random hex>``."""
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+#: Names :func:`make_shared_name` gives: prefix, creator's pid, random hex.
+_MADE_NAME = re.compile(r"(?P<prefix>[A-Za-z0-9_.]+)-(?P<pid>[0-9]+)-[0-9a-f]{16}")
+
+
+def remove_stale_shared(prefix: str = "kvtier", shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove the shared buffers ``<prefix>-<pid>-<hex>`` whose creator is gone; their names.
+
+    A process killed, or crashed, cannot unlink its buffer, and a crash-restart
+    loop would fill ``/dev/shm`` until start-up fails. The creator keeps an
+    ``flock`` on its buffer for as long as the buffer lives; the kernel drops it
+    when the process ends, however it ends. A buffer is removed only when its
+    creator's pid no longer runs *and* nobody holds that lock: a buffer of a
+    live process is never touched (its pid might also have been reused, which
+    only ever leaves a stale buffer for a later sweep). Only this user's
+    regular files are considered. Processes still attached keep their mapping.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(shm_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _MADE_NAME.fullmatch(entry.name)
+        if match is None or match["prefix"] != prefix:
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or _pid_running(pid):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if _locked(entry.path):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(entry.path)
+            removed.append(entry.name)
+            logger.info(
+                "removed shared memory %s (%d bytes), left behind by process %d (no longer "
+                "running)",
+                entry.path,
+                info.st_size,
+                pid,
+            )
+    return removed
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
+
+
+def _locked(path: str) -> bool:
+    """Whether a process holds the owner lock of ``path`` (unreadable counts as held)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock taken just now
+    return False
 
 
 def validate_geometry(num_blocks: int, block_bytes: int, require_alignment: bool) -> None:
@@ -119,6 +195,7 @@ class HostBuffer(BlockGeometry):
         self._block_bytes = block_bytes
         self._name = name
         self._owner = owner
+        self._lock_fd = -1  # a named buffer's creator: the descriptor holding its owner lock
         self._flat: memoryview | None = memoryview(mapping)
         self._view: memoryview | None = self._flat.cast("B", (num_blocks, block_bytes))
 
@@ -154,14 +231,19 @@ class HostBuffer(BlockGeometry):
             _log_small_pages(shared=False, size=size)
             return cls(mapping, num_blocks, block_bytes, name=None, owner=True)
         path = os.path.join(SHM_DIR, _validate_name(shared_name))
+        made = _MADE_NAME.fullmatch(shared_name)
+        if made is not None:
+            remove_stale_shared(made["prefix"])
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             raise FileExistsError(
                 f"shared memory {shared_name!r} already exists ({path}); "
                 "attach to it or pick another name"
             ) from None
         try:
+            # The owner lock, held while this process lives: remove_stale_shared's proof.
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
@@ -176,10 +258,11 @@ class HostBuffer(BlockGeometry):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
         advise_huge_pages(mapping)
         _log_small_pages(shared=True, size=size)
-        return cls(mapping, num_blocks, block_bytes, name=shared_name, owner=True)
+        buffer = cls(mapping, num_blocks, block_bytes, name=shared_name, owner=True)
+        buffer._lock_fd = fd  # kept open: it holds the owner lock
+        return buffer
 
     @classmethod
     def attach(cls, name: str, num_blocks: int, block_bytes: int) -> HostBuffer:
@@ -295,6 +378,7 @@ class HostBuffer(BlockGeometry):
         if mapping is not None:
             with contextlib.suppress(BufferError):
                 mapping.close()
+        self._release_lock()
 
     def unlink(self) -> None:
         """Remove the shared-memory name (the creator's job). Idempotent; no-op when anonymous.
@@ -305,6 +389,12 @@ class HostBuffer(BlockGeometry):
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, self._name))
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def __enter__(self) -> HostBuffer:
         return self

@@ -9,8 +9,10 @@ vLLM's own spec takes, so one config serves both) or a number with a unit: SI
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from typing import Any
 
 from tiering.errors import ConfigError
 
@@ -28,6 +30,37 @@ _MAX_SIZE_TEXT = 40
 MAX_BYTES = 2**63 - 1
 
 SIZE_HINT = "an integer number of bytes or a size with a unit like 64KiB, 8MiB, 2GiB, 500MB"
+
+
+#: The longest integer read from a config file, a trace or the command line. No size or count
+#: needs more than 20 digits, and past 4,300 Python refuses to convert digits at all (with a
+#: bare ``ValueError`` that would end a run as an internal error).
+MAX_NUMBER_DIGITS = 100
+
+
+class NumberTooLongError(ValueError):
+    """An integer literal of more than :data:`MAX_NUMBER_DIGITS` digits."""
+
+    def __init__(self, digits: int | None = None) -> None:
+        count = f"{digits}" if digits is not None else "more than 4,300"
+        super().__init__(
+            f"a number of {count} digits (no size or count has more than 20; "
+            f"at most {MAX_NUMBER_DIGITS} are read)"
+        )
+
+
+def bounded_int(text: str) -> int:
+    """``int(text)`` for an integer literal, refusing one longer than :data:`MAX_NUMBER_DIGITS`."""
+    digits = len(text.lstrip("+-"))
+    if digits > MAX_NUMBER_DIGITS:
+        raise NumberTooLongError(digits)
+    return int(text)
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads`` whose integers are read by :func:`bounded_int` (raises
+    :class:`NumberTooLongError`, a ``ValueError``, besides ``json.JSONDecodeError``)."""
+    return json.loads(text, parse_int=bounded_int)
 
 
 def parse_size(text: str) -> int:

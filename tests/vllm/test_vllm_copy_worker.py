@@ -1,4 +1,5 @@
-"""Which copy worker ``KVTieringOffloadingSpec`` runs, and that tiers never mix row layouts.
+"""``KVTieringOffloadingSpec``: which copy worker it runs, that tiers never mix row layouts,
+and its start-up checks (sizes with units, host memory) under vLLM.
 
 These machines have no GPU, so the GPU platform is answered by patching the
 one function the spec asks (``tiering.integrations.vllm.platform.has_gpu``)
@@ -9,6 +10,8 @@ selection, not vLLM's CUDA code.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Any, ClassVar
 
 import pytest
@@ -18,6 +21,7 @@ import vllm.v1.kv_offload.tiering.spec as vllm_tiering_spec
 import tiering.integrations.vllm.platform as platform_probe
 from tests.vllm.conftest import shut_down
 from tests.vllm.test_vllm_tiers import ours, tier_of
+from tiering.errors import ConfigError
 from tiering.integrations.vllm.driver import (
     PatternChecker,
     build_manager,
@@ -165,3 +169,36 @@ def test_vllms_worker_may_write_canonical_rows_and_the_fingerprint_says_so(
     direct = spec_for(OUR_SPEC)
     assert canonical.row_layout.endswith("/canonical") and direct.row_layout.endswith("/direct")
     assert layout_fingerprint(canonical, 65536) != layout_fingerprint(direct, 65536)
+
+
+# -- the spec's start-up checks ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [2 * 2**20, "2MiB", "2 MiB", 2097152.0, "2.097152MB"])
+def test_every_documented_size_spelling_works_under_vllm(size: object) -> None:
+    spec = spec_for({**OUR_SPEC, "cpu_bytes_to_use": size})
+    assert spec.num_chunks == 32  # 2 MiB of 64 KiB chunks
+    assert spec.extra_config["cpu_bytes_to_use"] == 2 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        ("lots", "cpu_bytes_to_use: not a size: 'lots'"),
+        (True, "cpu_bytes_to_use must be an integer number of bytes"),
+        (-4096, "cpu_bytes_to_use must be positive, got -4096"),
+        (10**6000, "cpu_bytes_to_use=<an integer of about"),
+    ],
+    ids=["text", "bool", "negative", "huge"],
+)
+def test_a_bad_size_is_refused_naming_the_key(size: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        spec_for({**OUR_SPEC, "cpu_bytes_to_use": size})
+
+
+def test_a_cpu_tier_larger_than_the_host_is_refused_before_the_region_exists() -> None:
+    spec = spec_for({**OUR_SPEC, "cpu_bytes_to_use": "64TiB"})
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=64.0 TiB .* is more memory than"):
+        spec.get_manager()
+    assert set(os.listdir("/dev/shm")) == before

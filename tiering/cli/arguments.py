@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from tiering.cli.exits import UsageError
 from tiering.errors import ConfigError
-from tiering.units import parse_size
+from tiering.units import NumberTooLongError, loads_json, parse_size
 
 N = TypeVar("N", int, float)
 
@@ -73,7 +73,9 @@ def parse_tier_spec(text: str) -> dict[str, Any]:
     text = text.strip()
     if text.startswith("{"):
         try:
-            entry = json.loads(text)
+            entry = loads_json(text)
+        except NumberTooLongError as exc:
+            raise UsageError(f"--tier {text[:40]!r}...: {exc}") from None
         except json.JSONDecodeError as exc:
             raise UsageError(f"--tier {text[:80]!r}: invalid JSON ({exc.msg})") from None
         except RecursionError:
@@ -94,7 +96,9 @@ def parse_tier_spec(text: str) -> dict[str, Any]:
         if not sep or not key:
             raise UsageError(f"--tier {text!r}: {item!r} is not KEY=VALUE")
         try:
-            value: Any = json.loads(raw)
+            value: Any = loads_json(raw)
+        except NumberTooLongError as exc:
+            raise UsageError(f"--tier {tier_type}: {key.strip()}: {exc}") from None
         except json.JSONDecodeError:
             value = raw
         entry[key.strip()] = value

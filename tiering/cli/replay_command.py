@@ -193,13 +193,15 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
     from tiering.replay.report import build_report
     from tiering.replay.stack import IGNORED_FOR_REPLAY, configured_capacity, tier_summary
     from tiering.replay.warm import unlimited_hit_rate_from
+    from tiering.units import config_bytes
 
     extra = run.extra_config
     tiers = extra.get("secondary_tiers") or []
     setup = {
         "block_bytes": args.block_bytes,
         "gpu_blocks": run.gpu_blocks,
-        "cpu_bytes_to_use": extra.get("cpu_bytes_to_use"),
+        # As the spec read it: the config may spell it with a unit ("16MiB").
+        "cpu_bytes_to_use": config_bytes("cpu_bytes_to_use", extra["cpu_bytes_to_use"]),
         "cpu_blocks": run.stats.primary.capacity_blocks,
         "eviction_policy": extra.get("eviction_policy", "lru"),
         "cascade_admission": extra.get("cascade_admission", "all"),

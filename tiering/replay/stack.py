@@ -20,6 +20,7 @@ from typing import Any
 from tiering.errors import ConfigError
 from tiering.replay.replayer import ReplayStack
 from tiering.replay.units import parse_size
+from tiering.units import NumberTooLongError, loads_json
 
 #: Tokens per offloaded block are the trace's (512 for Mooncake), whatever the config says.
 IGNORED_FOR_REPLAY = ("block_size",)
@@ -58,7 +59,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         data = _load_yaml(path, text)
     else:
         try:
-            data = json.loads(text)
+            data = loads_json(text)
+        except NumberTooLongError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
         except json.JSONDecodeError as exc:
             if path.suffix.lower() == ".json":
                 raise ConfigError(
@@ -160,6 +163,10 @@ def _load_yaml(path: Path, text: str) -> object:
         if len(message) > 300:
             message = message[:300] + "..."
         raise ConfigError(f"config file {path}: invalid YAML: {message}") from None
+    except ValueError as exc:  # a value YAML's constructors cannot convert
+        if "integer string conversion" in str(exc):  # Python's digit limit, past 4,300
+            raise ConfigError(f"config file {path}: {NumberTooLongError()}") from None
+        raise ConfigError(f"config file {path}: invalid YAML value: {exc}") from None
     except RecursionError:
         raise ConfigError(_too_deep(path)) from None
     finally:

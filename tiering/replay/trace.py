@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from tiering.errors import TieringError
+from tiering.units import NumberTooLongError, loads_json
 
 #: Tokens per trace block in the Mooncake release.
 DEFAULT_BLOCK_TOKENS = 512
@@ -152,7 +153,9 @@ def iter_trace(path: str | Path, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> It
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = loads_json(line)
+                except NumberTooLongError as exc:
+                    raise TraceError(source, line_number, str(exc)) from None
                 except json.JSONDecodeError as exc:
                     raise TraceError(
                         source, line_number, f"invalid JSON ({exc.msg} at column {exc.colno})"

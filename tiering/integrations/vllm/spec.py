@@ -29,6 +29,7 @@ block written by one worker is never read by another.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Collection
@@ -39,10 +40,13 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 import tiering.integrations.vllm.platform as platform_probe
+from tiering.config import check_host_memory, shown
 from tiering.copy import CopyWorker, make_copy_worker
+from tiering.errors import ConfigError
 from tiering.integrations.vllm.policy import vllm_cache_policy
 from tiering.integrations.vllm.translate import vllm_row_layout
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.units import config_bytes
 
 logger = logging.getLogger("tiering.integrations.vllm")
 
@@ -182,7 +186,7 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
     """
 
     def __init__(self, config: Any) -> None:
-        super().__init__(config)
+        super().__init__(_with_sizes_in_bytes(config))
         # Read by vLLM when it builds its CPU primary tier (in get_manager).
         self.eviction_policy, self.cache_policy_module_path = vllm_cache_policy(self.extra_config)
         requested = self.extra_config.get("copy_engine", "auto")
@@ -207,6 +211,18 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
                 if self.copy_engine == "vllm"
                 else "the KV cache is in CPU memory, where vLLM's worker does not run",
             )
+
+    def get_manager(self) -> Any:
+        """vLLM's manager, after checking that its shared CPU tier fits this host.
+
+        Here, not in ``__init__``: only the process that builds the manager creates the
+        shared region (worker processes build the spec too, after it exists).
+        """
+        if not getattr(self, "_manager", None):
+            check_host_memory(
+                "cpu_bytes_to_use", self.num_chunks * self.kv_bytes_per_chunk, shared=True
+            )
+        return super().get_manager()
 
     def get_worker(self, kv_caches: Any) -> Any:
         """The copy worker, built once (vLLM's refuses anything but CUDA and XPU)."""
@@ -249,6 +265,20 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
             self.kv_bytes_per_chunk,
         )
         return CopyEngineOffloadingWorker(copy_worker, region)
+
+
+def _with_sizes_in_bytes(config: Any) -> Any:
+    """``config`` with ``cpu_bytes_to_use`` in bytes: vLLM's spec reads it with ``int()``,
+    and ours documents sizes with units (``"16GiB"``). Raises ``ConfigError`` naming it."""
+    extra = getattr(config, "extra_config", None)
+    if not isinstance(extra, dict) or extra.get("cpu_bytes_to_use") is None:
+        return config
+    size = config_bytes("cpu_bytes_to_use", extra["cpu_bytes_to_use"])
+    if size <= 0:
+        raise ConfigError(
+            f"cpu_bytes_to_use must be positive, got {shown(extra['cpu_bytes_to_use'])}"
+        )
+    return dataclasses.replace(config, extra_config={**extra, "cpu_bytes_to_use": size})
 
 
 def _gpu_spec(spec: Any) -> GPULoadStoreSpec:
