@@ -29,8 +29,8 @@ demo: $(STAMP)
 	$(VENV)/bin/tiering replay
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tiering tiers tests benchmarks
-	$(VENV)/bin/ruff format --check tiering tiers tests benchmarks
+	$(VENV)/bin/ruff check tiering tiers tests benchmarks scripts
+	$(VENV)/bin/ruff format --check tiering tiers tests benchmarks scripts
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -315,6 +315,7 @@ def check_host_memory(
 
 # -- value checks ---------------------------------------------------------------------------
 
+
 class _ShortRepr(reprlib.Repr):
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 3 * _SHOWN_INT_DIGITS:  # past Python's digit limit repr() raises
