@@ -485,6 +485,11 @@ class AsyncTierManager(SecondaryTierManager):
         running = len(self._outstanding) - len(self._ready)
         return f"tier {self.name}: {running} job(s) still running after {timeout_s} s"
 
+    @property
+    def failed_load_backoff_s(self) -> float:
+        """How long a key whose load failed answers "miss" (0: never)."""
+        return self._failed_load_backoff_s
+
     def has_pending_work(self) -> bool:
         """Whether any submitted job's result has not been returned by ``get_finished`` yet."""
         return bool(self._outstanding)

@@ -43,6 +43,7 @@ import tiering.integrations.vllm.platform as platform_probe
 from tiering.config import check_host_memory, shown
 from tiering.copy import CopyWorker, make_copy_worker
 from tiering.errors import ConfigError
+from tiering.integrations.vllm.manager_keys import check_manager_keys
 from tiering.integrations.vllm.policy import vllm_cache_policy
 from tiering.integrations.vllm.translate import vllm_row_layout
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -189,6 +190,7 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
         super().__init__(_with_sizes_in_bytes(config))
         # Read by vLLM when it builds its CPU primary tier (in get_manager).
         self.eviction_policy, self.cache_policy_module_path = vllm_cache_policy(self.extra_config)
+        check_manager_keys(self.extra_config)  # our manager's keys: honoured or refused
         requested = self.extra_config.get("copy_engine", "auto")
         self.copy_engine = resolve_copy_engine(requested, gpu_platform=platform_probe.has_gpu())
         if self.copy_engine != "vllm" and self.config.canonical_layout:

@@ -29,6 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering.errors import ConfigError, TierClosedError
 from tiering.integrations.vllm import translate
+from tiering.integrations.vllm.manager_keys import tier_defaults
 from tiering.keys import OffloadKey
 from tiering.metrics_secondary import SecondaryTierExport
 from tiering.metrics_server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
@@ -64,8 +65,13 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
     ``enable_kv_events``      emit vLLM KV events for blocks stored in / evicted from
                               this tier (only when KV events are enabled globally)
     ``failed_load_backoff_s`` after a promotion of a block fails, answer MISS for
-                              it this long (default 10), so vLLM recomputes it
-                              instead of retrying a doomed load every step
+                              it this long (default: the top-level
+                              ``failed_promotion_backoff_s``, else 10), so vLLM
+                              recomputes it instead of retrying a doomed load
+                              every step
+
+    The top-level ``shutdown_timeout_s`` is each tier's default too; the other keys
+    of our manager are refused (:mod:`tiering.integrations.vllm.manager_keys`).
     """
 
     medium: Any = Medium.STORAGE
@@ -83,11 +89,19 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         medium: str | None = None,
         locality: str | None = None,
         enable_kv_events: bool = False,
-        failed_load_backoff_s: float = DEFAULT_FAILED_LOAD_BACKOFF_S,
+        failed_load_backoff_s: float | None = None,
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         where = f"secondary tier {tier_type!r}"
+        # Top-level keys of our manager that our tiers honour under vLLM's (the rest refused).
+        defaults = tier_defaults(getattr(offloading_spec, "extra_config", None) or {})
+        if failed_load_backoff_s is None:
+            failed_load_backoff_s = defaults.get(
+                "failed_load_backoff_s", DEFAULT_FAILED_LOAD_BACKOFF_S
+            )
+        if "shutdown_timeout_s" in defaults:
+            options.setdefault("shutdown_timeout_s", defaults["shutdown_timeout_s"])
         our_type = self._our_tier_type(tier, where)
         if medium is not None:
             try:
