@@ -39,6 +39,8 @@ DEFAULT_EVICTION_POLICY = "lru"
 SHM_DIR = "/dev/shm"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 DEFAULT_FAILED_PROMOTION_BACKOFF_S = 10.0
+#: Back-pressure: the share of the primary tier one secondary tier's cascades may pin.
+DEFAULT_CASCADE_MAX_PINNED_FRACTION = 0.25
 
 #: Keys this package reads. Other keys belong to the engine (vLLM puts e.g.
 #: ``spec_name`` and ``spec_module_path`` in the same dict) and are ignored,
@@ -54,6 +56,7 @@ KNOWN_KEYS = (
     "shutdown_timeout_s",
     "failed_promotion_backoff_s",
     "backfill_earlier_tiers",
+    "cascade_max_pinned_fraction",
     "metrics_port",
     "metrics_host",
 )
@@ -82,6 +85,7 @@ class TieringConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     failed_promotion_backoff_s: float = DEFAULT_FAILED_PROMOTION_BACKOFF_S
     backfill_earlier_tiers: bool = True
+    cascade_max_pinned_fraction: float = DEFAULT_CASCADE_MAX_PINNED_FRACTION
     metrics_port: int | None = None
     metrics_host: str = "0.0.0.0"
     cascade_admission: PolicyChoice | None = None
@@ -124,6 +128,7 @@ class TieringConfig:
                 positive=False,
             ),
             backfill_earlier_tiers=_flag(extra_config, "backfill_earlier_tiers", True),
+            cascade_max_pinned_fraction=pinned_fraction(extra_config),
             cascade_admission=_cascade_admission(extra_config),
             metrics_port=_metrics_port(extra_config),
             metrics_host=_metrics_host(extra_config),
@@ -470,6 +475,23 @@ def _seconds(extra: Mapping[str, Any], key: str, default: float, *, positive: bo
     ):
         kind = "a positive" if positive else "a non-negative"
         raise ConfigError(f"{key} must be {kind} finite number of seconds, got {shown(value)}")
+    return float(value)
+
+
+def pinned_fraction(extra: Mapping[str, Any]) -> float:
+    """``cascade_max_pinned_fraction``: a number in (0, 1] (raises naming the key)."""
+    key = "cascade_max_pinned_fraction"
+    value = _get(extra, key, DEFAULT_CASCADE_MAX_PINNED_FRACTION)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= 1
+    ):
+        raise ConfigError(
+            f"{key} must be a number in (0, 1] (the share of the CPU primary tier one "
+            f"secondary tier's cascades in flight may pin), got {shown(value)}"
+        )
     return float(value)
 
 

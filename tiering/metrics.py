@@ -63,6 +63,13 @@ _TIER_METRICS: tuple[tuple[str, str, Callable[[TierStats], float | None], bool],
     ),
     ("kv_tiering_tier_evicted_blocks", "Blocks evicted by the tier.", lambda t: t.evictions, True),
     ("kv_tiering_tier_failed_jobs", "Failed jobs of the tier.", lambda t: t.failures, True),
+    (
+        "kv_tiering_tier_dropped_blocks",
+        "Blocks not stored into the tier: cascades dropped by back-pressure (secondary), "
+        "offloads prepare_store refused (primary).",
+        lambda t: t.dropped,
+        True,
+    ),
     ("kv_tiering_tier_moved_bytes", "Bytes moved by finished jobs.", lambda t: t.bytes_moved, True),
     (
         "kv_tiering_tier_moved_seconds",

@@ -198,6 +198,7 @@ class TieringOffloadingSpec:
                 shutdown_timeout_s=config.shutdown_timeout_s,
                 failed_promotion_backoff_s=config.failed_promotion_backoff_s,
                 backfill_earlier_tiers=config.backfill_earlier_tiers,
+                cascade_max_pinned_fraction=config.cascade_max_pinned_fraction,
                 cascade_admission=(
                     None
                     if config.cascade_admission is None

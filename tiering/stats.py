@@ -34,6 +34,10 @@ class TierStats:
     (successful blocks only); ``jobs_in_flight`` are jobs without a result yet.
     ``job_seconds_counts`` counts those finished jobs by duration, one count per
     bucket of :data:`JOB_SECONDS_BUCKETS` plus a last one for longer jobs.
+    ``dropped`` counts blocks not stored: for a secondary tier, cascades dropped
+    because the tier was behind (back-pressure: its in-flight cascades already pinned
+    its share of the primary tier); for the primary tier, blocks of offloads that
+    ``prepare_store`` refused because no primary block could be freed.
     """
 
     name: str
@@ -51,6 +55,7 @@ class TierStats:
     jobs_in_flight: int
     routine_failures: int = 0
     job_seconds_counts: tuple[int, ...] = (0,) * (len(JOB_SECONDS_BUCKETS) + 1)
+    dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,8 @@ class TierCounters:
     __slots__ = (
         "bytes_moved",
         "cascades",
+        "cascading_blocks",
+        "dropped",
         "evictions",
         "failures",
         "hits",
@@ -135,6 +142,8 @@ class TierCounters:
         self.bytes_moved = 0
         self.seconds_moved = 0.0
         self.jobs_in_flight = 0
+        self.dropped = 0
+        self.cascading_blocks = 0  # blocks of this tier's cascades in flight (primary pins)
         self.job_seconds_counts = [0] * (len(JOB_SECONDS_BUCKETS) + 1)
 
     def add_transfer(self, nbytes: int, seconds: float) -> None:
@@ -160,4 +169,5 @@ class TierCounters:
             jobs_in_flight=self.jobs_in_flight,
             routine_failures=self.routine_failures,
             job_seconds_counts=tuple(self.job_seconds_counts),
+            dropped=self.dropped,
         )

@@ -146,6 +146,15 @@ def check_metrics_port(engine: Callable[..., Any]) -> None:
             stop_metrics_server(server)
 
 
+def check_cascade_max_pinned_fraction(engine: Callable[..., Any]) -> None:
+    from tiering.integrations.vllm.backpressure import PinnedShareDetector
+
+    detector = tier_of(engine({"cascade_max_pinned_fraction": 0.5})).bp_detector
+    assert isinstance(detector, PinnedShareDetector) and detector.budget_blocks == 8
+    with pytest.raises(ConfigError, match="cascade_max_pinned_fraction must be a number in"):
+        engine({"cascade_max_pinned_fraction": 2})
+
+
 CHECKS: dict[str, Callable[[Callable[..., Any]], None]] = {
     "cpu_bytes_to_use": check_cpu_bytes_to_use,
     "block_size": check_block_size,
@@ -157,6 +166,7 @@ CHECKS: dict[str, Callable[[Callable[..., Any]], None]] = {
     "shutdown_timeout_s": check_shutdown_timeout_s,
     "failed_promotion_backoff_s": check_failed_promotion_backoff_s,
     "backfill_earlier_tiers": check_backfill_earlier_tiers,
+    "cascade_max_pinned_fraction": check_cascade_max_pinned_fraction,
     "metrics_port": check_metrics_port,
     "metrics_host": check_metrics_port,
 }

@@ -4,6 +4,13 @@ One store job per tier for a batch of keys. The primary rows are pinned
 (``prepare_load``) per tier job until that job's result arrives, so eviction
 never frees bytes an in-flight copy still reads; the result releases the pin and
 counts what landed.
+
+Back-pressure: a tier that is behind - its cascades in flight already pin its
+share of the primary tier (``cascade_max_pinned_fraction``) and the oldest has
+waited longer than a tier that keeps up takes - gets no new cascade until some
+finish; the blocks are dropped for that tier and counted (``dropped``). A tier
+that falls behind thus costs its own hit rate, never the primary tier's room,
+and it catches up by itself: each finished job makes room for the next.
 """
 
 from __future__ import annotations
@@ -15,6 +22,9 @@ from tiering.jobs import JobMetadata, JobResult
 from tiering.keys import OffloadKey, ReqContext
 from tiering.manager.state import Job, JobKind, block_ids_of
 from tiering.manager.statistics import StatisticsMixin
+
+#: A tier whose oldest cascade in flight is younger than this keeps up (see ``_over_budget``).
+BEHIND_AFTER_S = 0.05
 
 # Every part logs as "tiering.manager", the name operators filter on.
 logger = logging.getLogger("tiering.manager")
@@ -30,28 +40,57 @@ class CascadeMixin(StatisticsMixin):
             for key in keys:
                 self._backoff.pop(key, None)  # the tiers are about to hold it again
         primary = self._primary
+        polled = False
         for position in positions:
+            counters = self._tier_counters[position]
+            if self._over_budget(position, len(keys)) and not polled:
+                self._poll()  # results that arrived since the step began make room
+                polled = True
+            if self._over_budget(position, len(keys)):
+                counters.dropped += len(keys)  # back-pressure: the tier is behind
+                continue
             # One pin per tier job, released when that job's result arrives.
             block_ids = block_ids_of(primary.prepare_load(keys, req_context))
             job_id = next(self._job_ids)
             job = Job(JobKind.CASCADE, position, keys, req_context, self._clock())
-            counters = self._tier_counters[position]
             try:
                 metadata = JobMetadata(job_id, keys, block_ids, False, req_context)
                 self._jobs[job_id] = job
                 counters.jobs_in_flight += 1
+                counters.cascading_blocks += len(keys)
+                self._cascade_starts[position][job_id] = job.submitted_at
                 self._tiers[position].submit_store(metadata)
             except Exception as exc:
                 if self._jobs.pop(job_id, None) is not None:
                     counters.jobs_in_flight -= 1
+                    counters.cascading_blocks -= len(keys)
+                    self._cascade_starts[position].pop(job_id, None)
                 self._internal_error(f"submitting cascade job {job_id} to tier {counters.name}")
                 primary.complete_load(keys)
                 counters.failures += 1
                 self._failure_log.failed(counters.name, f"cascade job {job_id}", repr(exc))
 
+    def _over_budget(self, position: int, blocks: int) -> bool:
+        """Whether tier ``position`` is behind: ``blocks`` more would pin more than its share
+        while its oldest cascade has been in flight longer than a tier that keeps up takes.
+
+        A tier that answers within :data:`BEHIND_AFTER_S` is never behind, whatever it has in
+        flight: the pins are released before the engine needs the rows, and a scheduler that
+        runs steps back to back (a replay) would otherwise drop blocks a real engine keeps.
+        """
+        counters = self._tier_counters[position]
+        in_flight = counters.cascading_blocks
+        if not in_flight or in_flight + blocks <= self._cascade_budget:
+            return False
+        started = self._cascade_starts[position]
+        oldest = next(iter(started.values()), None)
+        return oldest is not None and self._clock() - oldest > BEHIND_AFTER_S
+
     def _finish_cascade(self, job: Job, result: JobResult) -> None:
         self._primary.complete_load(job.keys)
         counters = self._tier_counters[job.tier]
+        counters.cascading_blocks -= len(job.keys)
+        self._cascade_starts[job.tier].pop(result.job_id, None)
         if result.success:
             stored = len(job.keys)
         else:

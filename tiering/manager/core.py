@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from tiering.config import DEFAULT_CASCADE_MAX_PINNED_FRACTION
 from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiering.errors import ContractError
 from tiering.jobs import SecondaryTierManager
@@ -59,7 +60,13 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
     default one, False for none); ``clock`` (seconds, for back-off and ages);
     ``cascade_admission`` (a :class:`~tiering.policies.admission.AdmissionPolicy`
     choosing which stored blocks are cascaded, and which blocks a request uses
-    are cascaded late; None cascades every stored block).
+    are cascaded late; None cascades every stored block);
+    ``cascade_max_pinned_fraction`` (back-pressure: the share of the primary
+    tier's blocks one secondary tier's cascades in flight may pin once the oldest
+    has waited over 50 ms; a cascade that would pin more is dropped and counted in
+    that tier's ``dropped``, so a tier that cannot keep up loses blocks, never the
+    primary tier's room. One job is always let through, so a tier with a tiny
+    share still makes progress.)
 
     Not thread-safe: call every method from the scheduler thread.
     """
@@ -79,6 +86,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         metrics_registry: Any = None,
         clock: Callable[[], float] = time.monotonic,
         cascade_admission: AdmissionPolicy[OffloadKey] | None = None,
+        cascade_max_pinned_fraction: float = DEFAULT_CASCADE_MAX_PINNED_FRACTION,
     ) -> None:
         tiers = tuple(secondary_tiers)
         for position, tier in enumerate(tiers):
@@ -97,6 +105,11 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
             )
         if max_promotion_batch < 1:
             raise ValueError(f"max_promotion_batch must be >= 1, got {max_promotion_batch!r}")
+        if not 0 < cascade_max_pinned_fraction <= 1:
+            raise ValueError(
+                "cascade_max_pinned_fraction must be in (0, 1], got "
+                f"{cascade_max_pinned_fraction!r}"
+            )
 
         self._primary = primary
         self._tiers = tiers
@@ -112,6 +125,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         )
         self._relabel_primary_events = event_block_size is not None
         self._max_batch = max_promotion_batch
+        self._cascade_budget = max(1, int(primary.num_blocks * cascade_max_pinned_fraction))
         self._clock = clock
         self._block_bytes = primary.block_bytes
 
@@ -124,6 +138,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         self._jobs = {}  # submission order: the first is the oldest
         self._promoting = {}  # key -> source tier (staged or submitted)
         self._staged = [[] for _ in tiers]
+        self._cascade_starts = [{} for _ in tiers]
         self._num_staged = 0
         self._user_load_pins = {}  # pins taken by the engine
         # Keys answered True since the step began: a promotion's eviction must not take them
@@ -138,6 +153,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         self._unexpected_results = 0
         self._internal_errors = 0
         self._failure_log = FailureLog(FAILURE_LOG_INTERVAL_S)
+        self._refusal_log = FailureLog(FAILURE_LOG_INTERVAL_S)
         self._closed = False
         self._final_stats = None
         self._metrics = MetricsExport(name, metrics_registry)
@@ -309,7 +325,16 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         if self._jobs and self._primary.num_free() < len(keys):
             self._poll()
         output = self._primary.prepare_store(keys, req_context)
-        if output is not None and output.evicted_keys:
+        if output is None:
+            # Never silent: the engine keeps these blocks only on the GPU.
+            self._primary_counters.dropped += len(keys)
+            self._refusal_log.failed(
+                "cpu",
+                f"prepare_store of {len(keys)} block(s)",
+                f"no primary block could be freed ({self._primary.num_pinned()} of "
+                f"{self._primary.num_blocks} pinned); counted as dropped",
+            )
+        elif output.evicted_keys:
             self._primary_counters.evictions += len(output.evicted_keys)
         return output
 

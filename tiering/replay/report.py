@@ -81,6 +81,7 @@ def _tier_stats_json(stats: TierStats, block_bytes: int) -> dict[str, Any]:
         "promoted_blocks": stats.promotions,
         "promoted_bytes": stats.promotions * block_bytes,
         "evicted_blocks": stats.evictions,
+        "dropped_blocks": stats.dropped,
         "failures": stats.failures,
         "lookup_hits": stats.hits,
         "lookup_misses": stats.misses,
@@ -301,12 +302,14 @@ def _tier_tables(
         title="Blocks moved",
         title_justify="left",
         caption="stored: into the tier (GPU->CPU for cpu, cascades for secondary tiers); "
-        "promoted: secondary->CPU; MB/s: per job, while the tier worked on it",
+        "promoted: secondary->CPU; dropped: not stored (a secondary tier behind, "
+        "back-pressure; cpu: offloads refused for lack of room); "
+        "MB/s: per job, while the tier worked on it",
         caption_justify="left",
     )
     _add_columns(
         moved,
-        ("tier", "stored", "promoted", "evicted", "failures", "store MB/s", "load MB/s"),
+        ("tier", "stored", "promoted", "evicted", "dropped", "failures", "store MB/s", "load MB/s"),
         ("tier",),
     )
 
@@ -329,6 +332,7 @@ def _tier_tables(
             amount(tier.get("stored_blocks")),
             amount(tier.get("promoted_blocks")),
             f"{tier.get('evicted_blocks', 0):,}",
+            f"{tier.get('dropped_blocks', 0):,}",
             str(tier.get("failures", "-")),
             _speed(tier.get("store_mb_per_s_per_job")),
             _speed(tier.get("load_mb_per_s_per_job")),

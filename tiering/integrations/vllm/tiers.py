@@ -15,6 +15,7 @@ except ``drain_jobs`` (blocks by contract) and ``shutdown``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -27,8 +28,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tiering.config import pinned_fraction
 from tiering.errors import ConfigError, TierClosedError
 from tiering.integrations.vllm import translate
+from tiering.integrations.vllm.backpressure import CascadesInFlight, PinnedShareDetector
 from tiering.integrations.vllm.manager_keys import tier_defaults
 from tiering.keys import OffloadKey
 from tiering.metrics_secondary import SecondaryTierExport
@@ -72,6 +75,9 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
 
     The top-level ``shutdown_timeout_s`` is each tier's default too; the other keys
     of our manager are refused (:mod:`tiering.integrations.vllm.manager_keys`).
+    Without a ``backpressure`` config of vLLM's, the tier drops cascades when it
+    falls behind its share of the CPU tier (``cascade_max_pinned_fraction``,
+    :mod:`tiering.integrations.vllm.backpressure`).
     """
 
     medium: Any = Medium.STORAGE
@@ -92,10 +98,17 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         failed_load_backoff_s: float | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        extra = getattr(offloading_spec, "extra_config", None) or {}
         where = f"secondary tier {tier_type!r}"
+        # Back-pressure on by default: our rule unless the operator configured vLLM's.
+        self._cascades = CascadesInFlight()
+        if backpressure_detector is None:
+            num_chunks = int(getattr(offloading_spec, "num_chunks", 0) or 0)
+            budget = int(num_chunks * pinned_fraction(extra))
+            backpressure_detector = PinnedShareDetector(self._cascades, budget)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Top-level keys of our manager that our tiers honour under vLLM's (the rest refused).
-        defaults = tier_defaults(getattr(offloading_spec, "extra_config", None) or {})
+        defaults = tier_defaults(extra)
         if failed_load_backoff_s is None:
             failed_load_backoff_s = defaults.get(
                 "failed_load_backoff_s", DEFAULT_FAILED_LOAD_BACKOFF_S
@@ -199,7 +212,9 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
 
     def submit_store(self, job_metadata: Any) -> None:
         """Cascade: copy the job's primary chunks into the tier (keys it holds are skipped)."""
-        self._runtime.submit_store(translate.job_metadata(job_metadata, is_promotion=False))
+        job = translate.job_metadata(job_metadata, is_promotion=False)
+        self._runtime.submit_store(job)
+        self._cascades.started(job.job_id, len(job.keys), time.monotonic())
 
     def submit_load(self, job_metadata: Any) -> None:
         """Promotion: copy the keys' blocks into the job's primary chunks."""
@@ -218,6 +233,8 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         for result in finished:
             is_load = result.job_id in self._loads
             self._loads.discard(result.job_id)
+            if not is_load:
+                self._cascades.finished(result.job_id)
             results.append(translate.job_result(result, is_promotion=is_load))
         return results
 

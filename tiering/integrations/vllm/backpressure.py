@@ -1,0 +1,98 @@
+"""Back-pressure for our tiers under vLLM's manager, on unless the operator configures vLLM's.
+
+vLLM's manager asks a tier's ``bp_detector.should_store(num_blocks)`` before each
+cascade (vLLM #50045) and drops the store when it says no, counting it in
+``vllm:kv_offload_tiering_backpressure_{stores,blocks}_dropped``. vLLM builds a
+detector only when ``backpressure`` is configured; without one a tier that falls
+behind keeps every cascade's primary chunks pinned until it answers, and the CPU
+tier stalls. So where vLLM gives our tier no detector, the tier installs
+:class:`PinnedShareDetector`, the rule our own manager applies
+(:mod:`tiering.manager.cascade`): a cascade is dropped when the tier's cascades in
+flight would pin more than ``cascade_max_pinned_fraction`` of the CPU tier (0.25
+by default) *and* the oldest has waited longer than a tier that keeps up takes.
+A ``backpressure`` config of vLLM's replaces it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector, DropStorePolicy
+
+from tiering.manager.cascade import BEHIND_AFTER_S
+
+
+class CascadesInFlight:
+    """Store jobs submitted to one tier and not yet answered: their blocks and ages."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[int, tuple[int, float]] = {}  # job id -> (blocks, submitted at)
+        self.blocks = 0
+
+    def started(self, job_id: int, blocks: int, at: float) -> None:
+        self._jobs[job_id] = (blocks, at)
+        self.blocks += blocks
+
+    def finished(self, job_id: int) -> None:
+        entry = self._jobs.pop(job_id, None)
+        if entry is not None:
+            self.blocks -= entry[0]
+
+    def oldest_started_at(self) -> float | None:
+        first = next(iter(self._jobs.values()), None)
+        return None if first is None else first[1]
+
+
+class PinnedShareDetector(BackpressureDetector):  # type: ignore[misc]  # vLLM is untyped
+    """vLLM's detector interface over the pinned-share rule (see the module docstring).
+
+    ``dropped_blocks`` counts every block it refused (vLLM's metric counts them
+    too, from the policy).
+    """
+
+    def __init__(
+        self,
+        cascades: CascadesInFlight,
+        budget_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(policy=DropStorePolicy())
+        self._cascades = cascades
+        self.budget_blocks = max(1, budget_blocks)
+        self._clock = clock
+        self._behind = False
+        self.dropped_blocks = 0
+
+    def should_store(self, num_blocks: int) -> bool:
+        in_flight = self._cascades.blocks
+        oldest = self._cascades.oldest_started_at()
+        self._behind = (
+            in_flight > 0
+            and in_flight + num_blocks > self.budget_blocks
+            and oldest is not None
+            and self._clock() - oldest > BEHIND_AFTER_S
+        )
+        if self._behind:
+            self.policy.on_store_skipped(num_blocks)
+            self.dropped_blocks += num_blocks
+            return False
+        return True
+
+    def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
+        """Latency plays no part: the rule is what the tier has pinned, and for how long."""
+
+    def is_under_pressure(self) -> bool:
+        return self._behind
+
+    def reset(self) -> None:
+        self._behind = False
+        self.policy.reset()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {
+            "blocks_in_flight": float(self._cascades.blocks),
+            "budget_blocks": float(self.budget_blocks),
+            "dropped_blocks": float(self.dropped_blocks),
+        }
