@@ -1,0 +1,252 @@
+"""Back-pressure: a secondary tier throttled to 1/4 of the offered store bandwidth, in one run.
+
+A scheduler loop drives our ``TieringOffloadingManager`` as an engine would:
+each step looks up a few requests' prefixes (popular prefixes recur, Zipf),
+promotes what a tier holds, and offloads the blocks it had to compute; between
+steps it sleeps ``--gpu-ms`` (the model's time on the GPU). Three runs, same
+workload and seed:
+
+* ``steps alone``: no secondary tier (the scheduler's own cost);
+* ``unthrottled``: an in-memory tier at full speed;
+* ``throttled``: the same tier, writes limited to 1/4 of the store bandwidth
+  the unthrottled run offered.
+
+Reported per run: blocks offered to the tier (stored into the CPU tier),
+stored by the tier, dropped by back-pressure, prepare_store refusals, the
+token hit rate, and the scheduler's step time (p50, p99: the manager's work in
+a step, not the GPU sleep). Verdict lines (against the same run's figures):
+dropped blocks equal in ``stats()`` and Prometheus, no refused offload
+uncounted, throttled step p99 <= 1.25x of steps alone.
+
+Run: ``.venv/bin/python benchmarks/backpressure.py [--steps 3000] [--smoke]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.manager import TieringOffloadingManager
+from tiering.primary import CPUPrimaryTier
+from tiering.runtime.facade import AsyncTierManager
+from tiers.memory import MemoryTier
+
+KIB = 1024
+BLOCK_BYTES = 64 * KIB
+P99_TARGET = 1.25
+
+
+class ThrottledMemoryTier(MemoryTier):
+    """An in-memory tier whose writes proceed at ``bytes_per_s`` (a serial token bucket)."""
+
+    def __init__(self, bytes_per_s: float, **options: Any) -> None:
+        super().__init__(**options)
+        self.bytes_per_s = bytes_per_s
+        self._free_at = 0.0
+
+    async def write(self, key: OffloadKey, data: memoryview) -> None:
+        await self._throttle(len(data))
+        await super().write(key, data)
+
+    async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
+        await self._throttle(sum(len(d) for d in data))
+        await super().write_many(keys, data)
+
+    async def _throttle(self, nbytes: int) -> None:
+        now = time.monotonic()
+        start = max(now, self._free_at)
+        self._free_at = start + nbytes / self.bytes_per_s
+        await asyncio.sleep(self._free_at - now)
+
+
+@dataclass
+class RunFigures:
+    label: str
+    offered: int
+    stored: int
+    dropped: int
+    refused: int
+    hit_rate: float
+    step_p50_us: float
+    step_p99_us: float
+    wall_s: float
+    cascaded_bytes: int
+    prometheus_dropped: float | None
+    published_dropped: int  # stats() when Prometheus was read
+
+
+def request_keys(prefix: int, blocks: int) -> list[OffloadKey]:
+    return [make_offload_key(f"{prefix}/{i}".encode().ljust(16, b"."), 0) for i in range(blocks)]
+
+
+def run(
+    label: str,
+    tier: MemoryTier | None,
+    *,
+    steps: int,
+    seed: int,
+    primary_blocks: int,
+    gpu_s: float,
+) -> RunFigures:
+    rng = random.Random(seed)
+    primary = CPUPrimaryTier(primary_blocks, BLOCK_BYTES)
+    registry: Any = False
+    try:
+        import prometheus_client
+
+        registry = prometheus_client.CollectorRegistry()
+    except ImportError:
+        pass
+    tiers = [AsyncTierManager(tier, primary.kv_view, "memory")] if tier is not None else []
+    manager = TieringOffloadingManager(primary, tiers, metrics_registry=registry, name=label)
+    catalog = primary_blocks  # prefixes of 8 blocks: the working set is 8x the CPU tier
+    weights = [1.0 / (rank + 1) ** 0.8 for rank in range(catalog)]
+    step_times: list[float] = []
+    hit_blocks = total_blocks = 0
+    waiting: list[int] = []  # requests whose blocks are on their way from a tier (RETRY)
+    start = time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        manager.step()
+        retry, waiting = waiting, []
+        for prefix in retry + rng.choices(range(catalog), weights, k=2):
+            keys = request_keys(prefix, 8)
+            answers = []
+            for key in keys:
+                answer = manager.lookup(key, NO_CONTEXT)
+                answers.append(answer)
+                if answer is not True:
+                    break
+            if answers[-1] is None:  # promoting: the engine schedules it next step
+                waiting.append(prefix)
+                continue
+            found = answers.count(True)
+            total_blocks += len(keys)
+            hit_blocks += found
+            if found:
+                manager.prepare_load(keys[:found], NO_CONTEXT)
+                manager.complete_load(keys[:found])
+            output = manager.prepare_store(keys[found:], NO_CONTEXT)
+            if output is not None and output.keys_to_store:
+                manager.complete_store(output.keys_to_store)
+        step_times.append(time.perf_counter() - t0)
+        time.sleep(gpu_s)  # the model computes; the tier's loop thread works meanwhile
+    wall = time.perf_counter() - start
+    manager.publish_metrics()
+    published = manager.stats()
+    prometheus = None
+    if tiers and registry is not False:
+        # Read before shutdown, which unregisters the series.
+        prometheus = registry.get_sample_value(
+            "kv_tiering_tier_dropped_blocks_total",
+            {"manager": label, "tier": "memory", "medium": published.secondary[0].medium},
+        )
+    manager.shutdown()
+    final = manager.stats()
+    secondary = final.secondary[0] if final.secondary else None
+    step_times.sort()
+    return RunFigures(
+        label=label,
+        offered=final.primary.cascades,
+        stored=secondary.cascades if secondary else 0,
+        dropped=secondary.dropped if secondary else 0,
+        refused=final.primary.dropped,
+        hit_rate=hit_blocks / max(1, total_blocks),
+        step_p50_us=statistics.median(step_times) * 1e6,
+        step_p99_us=step_times[int(0.99 * (len(step_times) - 1))] * 1e6,
+        wall_s=wall,
+        cascaded_bytes=secondary.bytes_moved if secondary else 0,
+        prometheus_dropped=prometheus,
+        published_dropped=published.secondary[0].dropped if published.secondary else 0,
+    )
+
+
+def main(argv: Any = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--primary-blocks", type=int, default=512)
+    parser.add_argument("--gpu-ms", type=float, default=2.0, help="GPU time per step (sleep)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: 300 steps")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps = 300
+    if args.steps < 10 or args.primary_blocks < 16:
+        parser.error("--steps must be >= 10 and --primary-blocks >= 16")
+    common = {
+        "steps": args.steps,
+        "seed": args.seed,
+        "primary_blocks": args.primary_blocks,
+        "gpu_s": args.gpu_ms / 1e3,
+    }
+    alone = run("steps alone", None, **common)
+    free = run("unthrottled", MemoryTier(), **common)
+    offered_bps = free.offered * BLOCK_BYTES / free.wall_s
+    throttled = run("throttled", ThrottledMemoryTier(offered_bps / 4), **common)
+    print(
+        f"workload: {args.steps} steps, 2 requests x 8 blocks of {BLOCK_BYTES // KIB} KiB per "
+        f"step, CPU tier {args.primary_blocks} blocks, {args.gpu_ms} ms GPU time per step; "
+        f"offered store bandwidth {offered_bps / 1e6:.1f} MB/s, throttle "
+        f"{offered_bps / 4e6:.1f} MB/s"
+    )
+    header = ("run", "offered", "stored", "dropped", "refused", "hit rate", "step p50 us",
+              "step p99 us")  # fmt: skip
+    rows = [
+        (
+            r.label,
+            f"{r.offered:,}",
+            f"{r.stored:,}",
+            f"{r.dropped:,}",
+            f"{r.refused:,}",
+            f"{r.hit_rate:.1%}",
+            f"{r.step_p50_us:,.0f}",
+            f"{r.step_p99_us:,.0f}",
+        )
+        for r in (alone, free, throttled)
+    ]
+    widths = [max(len(c[i]) for c in [header, *rows]) for i in range(len(header))]
+    for line in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+    ratio = throttled.step_p99_us / alone.step_p99_us
+    against_free = throttled.step_p99_us / free.step_p99_us
+    counted = throttled.prometheus_dropped == float(throttled.published_dropped)
+    accounted = throttled.offered == throttled.stored + throttled.dropped
+    print(
+        f"verdict: dropped blocks {throttled.published_dropped:,} in stats, "
+        f"{throttled.prometheus_dropped} in Prometheus (same moment): "
+        f"{'ok' if counted else 'MISMATCH'}"
+    )
+    print(
+        f"verdict: offered = stored + dropped for the throttled tier "
+        f"({throttled.offered:,} = {throttled.stored:,} + {throttled.dropped:,}): "
+        f"{'ok' if accounted else 'MISMATCH'}"
+    )
+    print(
+        f"verdict: refused offloads counted: {throttled.refused:,} (every refusal is in "
+        "stats.primary.dropped; none is silent)"
+    )
+    print(
+        f"verdict: throttled step p99 {ratio:.2f}x of steps alone (target <= {P99_TARGET}x): "
+        f"{'ok' if ratio <= P99_TARGET else 'ABOVE'}"
+    )
+    print(
+        f"verdict: throttled step p99 {against_free:.2f}x of the unthrottled tier's "
+        f"(the cost of the slow tier itself; target <= {P99_TARGET}x): "
+        f"{'ok' if against_free <= P99_TARGET else 'ABOVE'}"
+    )
+    print(
+        f"hit rate: throttled {throttled.hit_rate:.1%} against unthrottled {free.hit_rate:.1%} "
+        f"and no tier {alone.hit_rate:.1%}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

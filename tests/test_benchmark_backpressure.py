@@ -1,0 +1,31 @@
+"""benchmarks/backpressure.py runs (``--smoke``) and its accounting verdicts hold.
+
+Timing verdicts are printed, not asserted (these machines are noisy); the
+accounting ones are exact and must say ok.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_backpressure_benchmark_counts_every_dropped_block() -> None:
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/backpressure.py", "--smoke"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    verdicts = [line for line in proc.stdout.splitlines() if line.startswith("verdict: ")]
+    assert len(verdicts) == 5, proc.stdout
+    assert "in Prometheus (same moment): ok" in verdicts[0]
+    assert "offered = stored + dropped for the throttled tier" in verdicts[1]
+    assert verdicts[1].endswith(": ok")
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines()[:6]}
+    assert "throttled" in rows and int(rows["throttled"][3].replace(",", "")) > 0  # it dropped
