@@ -9,7 +9,7 @@ workload and seed:
 * ``steps alone``: no secondary tier (the scheduler's own cost);
 * ``unthrottled``: an in-memory tier at full speed;
 * ``throttled``: the same tier, writes limited to 1/4 of the store bandwidth
-  the unthrottled run offered.
+  the engine offers with no tier to hit in (the ``steps alone`` run's).
 
 Reported per run: blocks offered to the tier (stored into the CPU tier),
 stored by the tier, dropped by back-pressure, prepare_store refusals, the
@@ -108,6 +108,7 @@ def run(
     manager = TieringOffloadingManager(primary, tiers, metrics_registry=registry, name=label)
     catalog = primary_blocks  # prefixes of 8 blocks: the working set is 8x the CPU tier
     weights = [1.0 / (rank + 1) ** 0.8 for rank in range(catalog)]
+    prefix_keys = [request_keys(prefix, 8) for prefix in range(catalog)]  # not the step's work
     step_times: list[float] = []
     hit_blocks = total_blocks = 0
     waiting: list[int] = []  # requests whose blocks are on their way from a tier (RETRY)
@@ -117,7 +118,7 @@ def run(
         manager.step()
         retry, waiting = waiting, []
         for prefix in retry + rng.choices(range(catalog), weights, k=2):
-            keys = request_keys(prefix, 8)
+            keys = prefix_keys[prefix]
             answers = []
             for key in keys:
                 answer = manager.lookup(key, NO_CONTEXT)
@@ -187,8 +188,9 @@ def main(argv: Any = None) -> int:
         "gpu_s": args.gpu_ms / 1e3,
     }
     alone = run("steps alone", None, **common)
+    # What the engine stores per second with no tier to hit in: the offered bandwidth.
+    offered_bps = alone.offered * BLOCK_BYTES / alone.wall_s
     free = run("unthrottled", MemoryTier(), **common)
-    offered_bps = free.offered * BLOCK_BYTES / free.wall_s
     throttled = run("throttled", ThrottledMemoryTier(offered_bps / 4), **common)
     print(
         f"workload: {args.steps} steps, 2 requests x 8 blocks of {BLOCK_BYTES // KIB} KiB per "

@@ -114,7 +114,6 @@ class TierCounters:
     __slots__ = (
         "bytes_moved",
         "cascades",
-        "cascading_blocks",
         "dropped",
         "evictions",
         "failures",
@@ -124,6 +123,7 @@ class TierCounters:
         "medium",
         "misses",
         "name",
+        "pinned_blocks",
         "promotions",
         "routine_failures",
         "seconds_moved",
@@ -143,7 +143,7 @@ class TierCounters:
         self.seconds_moved = 0.0
         self.jobs_in_flight = 0
         self.dropped = 0
-        self.cascading_blocks = 0  # blocks of this tier's cascades in flight (primary pins)
+        self.pinned_blocks = 0  # primary rows this tier's jobs in flight hold (back-pressure)
         self.job_seconds_counts = [0] * (len(JOB_SECONDS_BUCKETS) + 1)
 
     def add_transfer(self, nbytes: int, seconds: float) -> None:

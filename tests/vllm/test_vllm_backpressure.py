@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics
 
-from tests.vllm.test_vllm_tiers import Metrics, faulty, ours, set_plan, tier_of
+from tests.vllm.test_vllm_tiers import Metrics, _ctx, faulty, ours, set_plan, tier_of
 from tiering.integrations.vllm.backpressure import PinnedShareDetector
 from tiering.integrations.vllm.driver import chained_keys, fill_pattern
 from tiering.testing.faults import FaultPlan
@@ -57,3 +58,22 @@ def test_a_tier_behind_its_share_loses_cascades_counted_then_catches_up(
     driver.run_until_idle(timeout_s=10)
     assert detector.dropped_blocks == 4 and not detector.is_under_pressure()
     assert tier_of(manager).stats().blocks_held == 10  # first and third, not second
+
+
+def test_a_tier_behind_answers_miss_rather_than_promote_behind_its_backlog(
+    make_manager: Any,
+) -> None:
+    manager, driver = make_manager([faulty()], num_chunks=32)
+    tier = tier_of(manager)
+    held = chained_keys("bp-held", 4)
+    driver.store("held", held, fill_pattern)
+    driver.run_until_idle(timeout_s=10)
+    assert tier.lookup(held[0], _ctx()) == LookupResult.HIT
+    set_plan(manager, FaultPlan(delay_rate=1.0, delay_s=0.5, ops={"write"}))
+    driver.store("slow", chained_keys("bp-slow", 8), fill_pattern)  # 8 of a share of 8
+    detector = tier.bp_detector
+    detector._clock = lambda: time.monotonic() + 1.0
+    assert tier.lookup(held[0], _ctx()) == LookupResult.MISS
+    assert detector.refused_hits == 1
+    driver.run_until_idle(timeout_s=10)
+    assert tier.lookup(held[0], _ctx()) == LookupResult.HIT  # caught up

@@ -5,10 +5,12 @@ One store job per tier for a batch of keys. The primary rows are pinned
 never frees bytes an in-flight copy still reads; the result releases the pin and
 counts what landed.
 
-Back-pressure: a tier that is behind - its cascades in flight already pin its
-share of the primary tier (``cascade_max_pinned_fraction``) and the oldest has
-waited longer than a tier that keeps up takes - gets no new cascade until some
-finish; the blocks are dropped for that tier and counted (``dropped``). A tier
+Back-pressure: a tier that is behind - its jobs in flight (cascades and
+promotions) already pin its share of the primary tier
+(``cascade_max_pinned_fraction``) and the oldest has waited longer than a tier
+that keeps up takes - gets no new cascade until some finish; the blocks are
+dropped for that tier and counted (``dropped``); its hits are answered as
+misses (``promotion_no_room``, see :mod:`tiering.manager.promotion`). A tier
 that falls behind thus costs its own hit rate, never the primary tier's room,
 and it catches up by itself: each finished job makes room for the next.
 """
@@ -57,14 +59,14 @@ class CascadeMixin(StatisticsMixin):
                 metadata = JobMetadata(job_id, keys, block_ids, False, req_context)
                 self._jobs[job_id] = job
                 counters.jobs_in_flight += 1
-                counters.cascading_blocks += len(keys)
-                self._cascade_starts[position][job_id] = job.submitted_at
+                counters.pinned_blocks += len(keys)
+                self._job_starts[position][job_id] = job.submitted_at
                 self._tiers[position].submit_store(metadata)
             except Exception as exc:
                 if self._jobs.pop(job_id, None) is not None:
                     counters.jobs_in_flight -= 1
-                    counters.cascading_blocks -= len(keys)
-                    self._cascade_starts[position].pop(job_id, None)
+                    counters.pinned_blocks -= len(keys)
+                    self._job_starts[position].pop(job_id, None)
                 self._internal_error(f"submitting cascade job {job_id} to tier {counters.name}")
                 primary.complete_load(keys)
                 counters.failures += 1
@@ -72,25 +74,28 @@ class CascadeMixin(StatisticsMixin):
 
     def _over_budget(self, position: int, blocks: int) -> bool:
         """Whether tier ``position`` is behind: ``blocks`` more would pin more than its share
-        while its oldest cascade has been in flight longer than a tier that keeps up takes.
+        while its oldest job has been in flight longer than a tier that keeps up takes.
+
+        Cascades and promotions both hold primary rows until their tier answers; a slow
+        tier's promotions wait behind its writes, so both count.
 
         A tier that answers within :data:`BEHIND_AFTER_S` is never behind, whatever it has in
         flight: the pins are released before the engine needs the rows, and a scheduler that
         runs steps back to back (a replay) would otherwise drop blocks a real engine keeps.
         """
         counters = self._tier_counters[position]
-        in_flight = counters.cascading_blocks
+        in_flight = counters.pinned_blocks
         if not in_flight or in_flight + blocks <= self._cascade_budget:
             return False
-        started = self._cascade_starts[position]
+        started = self._job_starts[position]
         oldest = next(iter(started.values()), None)
         return oldest is not None and self._clock() - oldest > BEHIND_AFTER_S
 
     def _finish_cascade(self, job: Job, result: JobResult) -> None:
         self._primary.complete_load(job.keys)
         counters = self._tier_counters[job.tier]
-        counters.cascading_blocks -= len(job.keys)
-        self._cascade_starts[job.tier].pop(result.job_id, None)
+        counters.pinned_blocks -= len(job.keys)
+        self._job_starts[job.tier].pop(result.job_id, None)
         if result.success:
             stored = len(job.keys)
         else:

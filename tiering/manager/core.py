@@ -138,7 +138,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         self._jobs = {}  # submission order: the first is the oldest
         self._promoting = {}  # key -> source tier (staged or submitted)
         self._staged = [[] for _ in tiers]
-        self._cascade_starts = [{} for _ in tiers]
+        self._job_starts = [{} for _ in tiers]
         self._num_staged = 0
         self._user_load_pins = {}  # pins taken by the engine
         # Keys answered True since the step began: a promotion's eviction must not take them

@@ -6,6 +6,11 @@ per tier, which reserves its rows then (``prepare_store``, possibly evicting).
 The rows stay unreadable until the job's result: success commits them, failure
 frees them and answers the keys as misses for ``failed_promotion_backoff_s``.
 A block promoted from tier *i* is also cascaded to the tiers before *i*.
+
+Back-pressure: a hit in a tier that is behind (its jobs in flight pin its share
+of the primary tier, see :mod:`tiering.manager.cascade`) is answered as a miss
+and counted in ``promotion_no_room``: the promotion would wait behind that
+tier's backlog holding a primary row.
 """
 
 from __future__ import annotations
@@ -32,6 +37,15 @@ class PromotionMixin(CascadeMixin):
         and not a hit of this step) beyond those already promised.
         """
         primary = self._primary
+        if self._over_budget(position, 1):
+            if self._jobs:
+                self._poll()
+            if self._over_budget(position, 1):
+                # Back-pressure: the tier is behind, its jobs already pin its share of the
+                # primary tier. A promotion would wait behind them holding one more row.
+                self._no_room += 1
+                self._primary_counters.misses += 1
+                return False
         needed = self._num_staged + 1
         if primary.num_free() < needed:
             # An eviction will be needed: release finished pins first, and pin this step's
@@ -117,6 +131,9 @@ class PromotionMixin(CascadeMixin):
         keys = tuple(rows)
         job_id = next(self._job_ids)
         job = Job(JobKind.PROMOTION, position, keys, batch.req_context, self._clock())
+        # The rows are held until the result: counted for back-pressure, released there.
+        self._tier_counters[position].pinned_blocks += len(keys)
+        self._job_starts[position][job_id] = job.submitted_at
         try:
             metadata = JobMetadata(
                 job_id,
@@ -136,6 +153,8 @@ class PromotionMixin(CascadeMixin):
 
     def _finish_promotion(self, job: Job, result: JobResult) -> None:
         counters = self._tier_counters[job.tier]
+        counters.pinned_blocks -= len(job.keys)
+        self._job_starts[job.tier].pop(result.job_id, None)
         if result.success:
             committed, failed = list(job.keys), []
         else:

@@ -129,8 +129,8 @@ class ManagerState:
     _event_block_size: int
     _relabel_primary_events: bool
     _max_batch: int  # most blocks per promotion job
-    _cascade_budget: int  # most primary blocks one tier's cascades may pin (back-pressure)
-    _cascade_starts: list[dict[JobId, float]]  # per tier: its cascades in flight, when submitted
+    _cascade_budget: int  # most primary rows one tier's jobs may pin once behind (back-pressure)
+    _job_starts: list[dict[JobId, float]]  # per tier: its jobs in flight, when submitted
     _refusal_log: FailureLog  # prepare_store refusals, rate-limited like failures
     _clock: Callable[[], float]
     _block_bytes: int

@@ -7,10 +7,12 @@ detector only when ``backpressure`` is configured; without one a tier that falls
 behind keeps every cascade's primary chunks pinned until it answers, and the CPU
 tier stalls. So where vLLM gives our tier no detector, the tier installs
 :class:`PinnedShareDetector`, the rule our own manager applies
-(:mod:`tiering.manager.cascade`): a cascade is dropped when the tier's cascades in
-flight would pin more than ``cascade_max_pinned_fraction`` of the CPU tier (0.25
-by default) *and* the oldest has waited longer than a tier that keeps up takes.
-A ``backpressure`` config of vLLM's replaces it.
+(:mod:`tiering.manager.cascade`): a cascade is dropped when the tier's jobs in
+flight (cascades and promotions) would pin more than
+``cascade_max_pinned_fraction`` of the CPU tier (0.25 by default) *and* the
+oldest has waited longer than a tier that keeps up takes; and while that holds,
+the tier answers its lookups MISS, since a promotion would wait behind the same
+backlog holding a CPU chunk. A ``backpressure`` config of vLLM's replaces it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector, DropSt
 from tiering.manager.cascade import BEHIND_AFTER_S
 
 
-class CascadesInFlight:
-    """Store jobs submitted to one tier and not yet answered: their blocks and ages."""
+class JobsInFlight:
+    """Jobs (cascades and promotions) submitted to one tier and not yet answered."""
 
     def __init__(self) -> None:
         self._jobs: dict[int, tuple[int, float]] = {}  # job id -> (blocks, submitted at)
@@ -48,34 +50,44 @@ class PinnedShareDetector(BackpressureDetector):  # type: ignore[misc]  # vLLM i
     """vLLM's detector interface over the pinned-share rule (see the module docstring).
 
     ``dropped_blocks`` counts every block it refused (vLLM's metric counts them
-    too, from the policy).
+    too, from the policy); ``refused_hits`` the lookups the tier answered MISS
+    instead of HIT because a promotion would have waited behind its backlog.
     """
 
     def __init__(
         self,
-        cascades: CascadesInFlight,
+        jobs: JobsInFlight,
         budget_blocks: int,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(policy=DropStorePolicy())
-        self._cascades = cascades
+        self._jobs = jobs
         self.budget_blocks = max(1, budget_blocks)
         self._clock = clock
         self._behind = False
         self.dropped_blocks = 0
+        self.refused_hits = 0
+
+    def behind(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` more would pin more than the share, the oldest job being old."""
+        in_flight = self._jobs.blocks
+        if not in_flight or in_flight + num_blocks <= self.budget_blocks:
+            return False
+        oldest = self._jobs.oldest_started_at()
+        return oldest is not None and self._clock() - oldest > BEHIND_AFTER_S
 
     def should_store(self, num_blocks: int) -> bool:
-        in_flight = self._cascades.blocks
-        oldest = self._cascades.oldest_started_at()
-        self._behind = (
-            in_flight > 0
-            and in_flight + num_blocks > self.budget_blocks
-            and oldest is not None
-            and self._clock() - oldest > BEHIND_AFTER_S
-        )
+        self._behind = self.behind(num_blocks)
         if self._behind:
             self.policy.on_store_skipped(num_blocks)
             self.dropped_blocks += num_blocks
+            return False
+        return True
+
+    def should_promote(self) -> bool:
+        """False (and counted) when a promotion would wait behind the tier's backlog."""
+        if self.behind(1):
+            self.refused_hits += 1
             return False
         return True
 
@@ -92,7 +104,8 @@ class PinnedShareDetector(BackpressureDetector):  # type: ignore[misc]  # vLLM i
     @property
     def stats(self) -> dict[str, float]:
         return {
-            "blocks_in_flight": float(self._cascades.blocks),
+            "blocks_in_flight": float(self._jobs.blocks),
             "budget_blocks": float(self.budget_blocks),
             "dropped_blocks": float(self.dropped_blocks),
+            "refused_hits": float(self.refused_hits),
         }

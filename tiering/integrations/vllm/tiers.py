@@ -31,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering.config import pinned_fraction
 from tiering.errors import ConfigError, TierClosedError
 from tiering.integrations.vllm import translate
-from tiering.integrations.vllm.backpressure import CascadesInFlight, PinnedShareDetector
+from tiering.integrations.vllm.backpressure import JobsInFlight, PinnedShareDetector
 from tiering.integrations.vllm.manager_keys import tier_defaults
 from tiering.keys import OffloadKey
 from tiering.metrics_secondary import SecondaryTierExport
@@ -101,11 +101,14 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         extra = getattr(offloading_spec, "extra_config", None) or {}
         where = f"secondary tier {tier_type!r}"
         # Back-pressure on by default: our rule unless the operator configured vLLM's.
-        self._cascades = CascadesInFlight()
+        self._in_flight = JobsInFlight()
+        self._pinned_share: PinnedShareDetector | None = None
         if backpressure_detector is None:
             num_chunks = int(getattr(offloading_spec, "num_chunks", 0) or 0)
             budget = int(num_chunks * pinned_fraction(extra))
-            backpressure_detector = PinnedShareDetector(self._cascades, budget)
+            backpressure_detector = self._pinned_share = PinnedShareDetector(
+                self._in_flight, budget
+            )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Top-level keys of our manager that our tiers honour under vLLM's (the rest refused).
         defaults = tier_defaults(extra)
@@ -206,21 +209,23 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
 
     def lookup(self, key: OffloadKey, req_context: Any) -> Any:
         """HIT / MISS from the runtime's presence view; RETRY while in flight or being checked."""
-        return translate.lookup_result(
-            self._runtime.lookup(key, translate.request_context(req_context))
-        )
+        answer = self._runtime.lookup(key, translate.request_context(req_context))
+        if answer and self._pinned_share is not None and not self._pinned_share.should_promote():
+            answer = False  # the promotion would wait behind this tier's backlog
+        return translate.lookup_result(answer)
 
     def submit_store(self, job_metadata: Any) -> None:
         """Cascade: copy the job's primary chunks into the tier (keys it holds are skipped)."""
         job = translate.job_metadata(job_metadata, is_promotion=False)
         self._runtime.submit_store(job)
-        self._cascades.started(job.job_id, len(job.keys), time.monotonic())
+        self._in_flight.started(job.job_id, len(job.keys), time.monotonic())
 
     def submit_load(self, job_metadata: Any) -> None:
         """Promotion: copy the keys' blocks into the job's primary chunks."""
         job = translate.job_metadata(job_metadata, is_promotion=True)
         self._runtime.submit_load(job)
         self._loads.add(job.job_id)
+        self._in_flight.started(job.job_id, len(job.keys), time.monotonic())
 
     def get_finished_jobs(self) -> Iterable[Any]:
         """vLLM ``JobResult`` s of the jobs finished since the last call (never blocks)."""
@@ -233,8 +238,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         for result in finished:
             is_load = result.job_id in self._loads
             self._loads.discard(result.job_id)
-            if not is_load:
-                self._cascades.finished(result.job_id)
+            self._in_flight.finished(result.job_id)
             results.append(translate.job_result(result, is_promotion=is_load))
         return results
 
