@@ -9,7 +9,9 @@ workload and seed:
 * ``steps alone``: no secondary tier (the scheduler's own cost);
 * ``unthrottled``: an in-memory tier at full speed;
 * ``throttled``: the same tier, writes limited to 1/4 of the store bandwidth
-  the engine offers with no tier to hit in (the ``steps alone`` run's).
+  the engine offers with no tier to hit in (the ``steps alone`` run's);
+* ``throttled, no back-pressure``: the same with ``cascade_max_pinned_fraction``
+  1.0 (the tier may pin the whole CPU tier): what back-pressure prevents.
 
 Reported per run: blocks offered to the tier (stored into the CPU tier),
 stored by the tier, dropped by back-pressure, prepare_store refusals, the
@@ -94,6 +96,7 @@ def run(
     seed: int,
     primary_blocks: int,
     gpu_s: float,
+    pinned_fraction: float = 0.25,
 ) -> RunFigures:
     rng = random.Random(seed)
     primary = CPUPrimaryTier(primary_blocks, BLOCK_BYTES)
@@ -105,7 +108,13 @@ def run(
     except ImportError:
         pass
     tiers = [AsyncTierManager(tier, primary.kv_view, "memory")] if tier is not None else []
-    manager = TieringOffloadingManager(primary, tiers, metrics_registry=registry, name=label)
+    manager = TieringOffloadingManager(
+        primary,
+        tiers,
+        metrics_registry=registry,
+        name=label,
+        cascade_max_pinned_fraction=pinned_fraction,
+    )
     catalog = primary_blocks  # prefixes of 8 blocks: the working set is 8x the CPU tier
     weights = [1.0 / (rank + 1) ** 0.8 for rank in range(catalog)]
     prefix_keys = [request_keys(prefix, 8) for prefix in range(catalog)]  # not the step's work
@@ -192,6 +201,13 @@ def main(argv: Any = None) -> int:
     offered_bps = alone.offered * BLOCK_BYTES / alone.wall_s
     free = run("unthrottled", MemoryTier(), **common)
     throttled = run("throttled", ThrottledMemoryTier(offered_bps / 4), **common)
+    # The same, with back-pressure off (a share of the whole CPU tier): what it prevents.
+    unguarded = run(
+        "throttled, no back-pressure",
+        ThrottledMemoryTier(offered_bps / 4),
+        pinned_fraction=1.0,
+        **common,
+    )
     print(
         f"workload: {args.steps} steps, 2 requests x 8 blocks of {BLOCK_BYTES // KIB} KiB per "
         f"step, CPU tier {args.primary_blocks} blocks, {args.gpu_ms} ms GPU time per step; "
@@ -211,7 +227,7 @@ def main(argv: Any = None) -> int:
             f"{r.step_p50_us:,.0f}",
             f"{r.step_p99_us:,.0f}",
         )
-        for r in (alone, free, throttled)
+        for r in (alone, free, throttled, unguarded)
     ]
     widths = [max(len(c[i]) for c in [header, *rows]) for i in range(len(header))]
     for line in [header, tuple("-" * w for w in widths), *rows]:
@@ -244,8 +260,9 @@ def main(argv: Any = None) -> int:
         f"{'ok' if against_free <= P99_TARGET else 'ABOVE'}"
     )
     print(
-        f"hit rate: throttled {throttled.hit_rate:.1%} against unthrottled {free.hit_rate:.1%} "
-        f"and no tier {alone.hit_rate:.1%}"
+        f"hit rate: throttled {throttled.hit_rate:.1%} against unthrottled {free.hit_rate:.1%}, "
+        f"no tier {alone.hit_rate:.1%}, throttled without back-pressure "
+        f"{unguarded.hit_rate:.1%}"
     )
     return 0
 
