@@ -36,6 +36,8 @@ class OffloadingEvent:
     block_size: int
     medium: str
     removed: bool
+    #: The tier's declared locality (``"LOCAL"`` / ``"REMOTE"``), None if undeclared.
+    locality: str | None = None
 
 
 class OffloadingManager(ABC):

@@ -71,6 +71,15 @@ class SecondaryTierManager(ABC):
     ``get_finished`` polls.
     """
 
+    #: What the tier stores on - ``"CPU"`` (host memory) or ``"STORAGE"`` - and where, relative
+    #: to this instance - ``"LOCAL"`` or ``"REMOTE"``: matched by a request's ``kv_load_tiers``
+    #: and ``kv_store_tiers`` (:mod:`tiering.manager.filters`) and reported in events. None:
+    #: undeclared, matches any filter.
+    medium: str | None = None
+    locality: str | None = None
+    #: Whether the manager reports this tier's stored/removed events.
+    events_enabled: bool = True
+
     def __init__(self, primary_kv_view: memoryview, tier_type: str) -> None:
         self._primary_kv_view = primary_kv_view
         self.tier_type = tier_type

@@ -43,6 +43,11 @@ The other keys of the dict are split in two. The *framework's* keys
                          process) or ``"process"`` (in a child process:
                          :class:`~tiering.isolation.IsolatedTierManager`; the tier's
                          class and options must pickle)
+``medium``               ``"STORAGE"`` or ``"CPU"`` (default: the tier class's ``medium``);
+                         matched by requests' ``kv_load_tiers`` / ``kv_store_tiers``
+``locality``             ``"LOCAL"`` or ``"REMOTE"`` (default: undeclared, matches any);
+                         matched by the same filters and reported in events
+``enable_kv_events``     report this tier's stored/removed events (default true)
 ``module_path``          see 5. above
 
 Every other key is passed to the tier class's constructor as a keyword.
@@ -101,8 +106,13 @@ FRAMEWORK_KEYS = (
     "max_gil_hold_ms",
     "gc_handoff",
     "isolation",
+    "medium",
+    "locality",
+    "enable_kv_events",
 )
-_MANAGER_OPTIONS = FRAMEWORK_KEYS[3:-1]
+_MANAGER_OPTIONS = FRAMEWORK_KEYS[3 : FRAMEWORK_KEYS.index("isolation")]
+#: What the tier is, for request filters and events (:func:`tier_identity`).
+_IDENTITY_KEYS = ("medium", "locality", "enable_kv_events")
 #: Where a tier's event loop may run (the ``isolation`` key).
 ISOLATION_MODES = ("thread", "process")
 
@@ -217,8 +227,6 @@ _VLLM_ADAPTER_TIERS = {
     "KVTieringMemoryTier": "memory",
     "KVTieringTier": None,  # the ``tier`` option names it
 }
-#: Options only the vLLM adapter reads (what vLLM reports), meaningless here.
-_VLLM_ADAPTER_OPTIONS = ("medium", "locality", "enable_kv_events")
 
 
 def from_vllm_entry(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -234,7 +242,7 @@ def from_vllm_entry(config: Mapping[str, Any]) -> Mapping[str, Any]:
     type_name = config.get("type")
     if type_name not in _VLLM_ADAPTER_TIERS:
         return config
-    ours = {k: v for k, v in config.items() if k not in ("module_path", *_VLLM_ADAPTER_OPTIONS)}
+    ours = {k: v for k, v in config.items() if k != "module_path"}
     fixed = _VLLM_ADAPTER_TIERS[type_name]
     ours["type"] = fixed if fixed is not None else ours.pop("tier", None)
     if not ours["type"]:
@@ -295,6 +303,7 @@ def check_tier_config(
         raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
     try:
         check_runtime_options(**{k: config[k] for k in _MANAGER_OPTIONS if k in config})
+        tier_identity(config, tier_class)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     isolation = config.get("isolation", "thread")
@@ -351,17 +360,45 @@ def create_secondary_tier(
         str(type_name),
         layout_fingerprint=layout_fingerprint,
     )
-    return _start_manager(start, config, where, position)
+    return _start_manager(start, config, where, position, tier_class)
+
+
+def tier_identity(
+    config: Mapping[str, Any], tier_class: type[AsyncTier]
+) -> tuple[str, str | None, bool]:
+    """``(medium, locality, events)`` of a tier entry: its ``medium`` (default: the class's),
+    ``locality`` (``"LOCAL"`` / ``"REMOTE"``, default undeclared) and ``enable_kv_events``
+    (default true). Raises :class:`ConfigError` naming the key for anything else."""
+    medium = config.get("medium")
+    medium = tier_class.medium if medium is None else medium
+    if not isinstance(medium, str) or medium.upper() not in ("CPU", "STORAGE"):
+        raise ConfigError(f"medium must be 'STORAGE' or 'CPU', got {medium!r}")
+    locality = config.get("locality")
+    if locality is not None and (
+        not isinstance(locality, str) or locality.upper() not in ("LOCAL", "REMOTE")
+    ):
+        raise ConfigError(f"locality must be 'LOCAL' or 'REMOTE', got {locality!r}")
+    events = config.get("enable_kv_events", True)
+    if not isinstance(events, bool):
+        raise ConfigError(f"enable_kv_events must be true or false, got {events!r}")
+    return medium.upper(), None if locality is None else locality.upper(), events
 
 
 def _start_manager(
-    start: Callable[..., AsyncTierManager], config: Mapping[str, Any], where: str, position: int
+    start: Callable[..., AsyncTierManager],
+    config: Mapping[str, Any],
+    where: str,
+    position: int,
+    tier_class: type[AsyncTier],
 ) -> AsyncTierManager:
     """``start(name=..., **the entry's framework options)``; its errors name the entry."""
     manager_options = {k: config[k] for k in _MANAGER_OPTIONS if k in config}
     name = config.get("name") or f"{config['type']}-{position}"  # null: the default
+    medium, locality, events = tier_identity(config, tier_class)
     try:
-        return start(name=name, **manager_options)
+        manager = start(name=name, **manager_options)
+        manager.medium, manager.locality, manager.events_enabled = medium, locality, events
+        return manager
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     except Exception as exc:
@@ -400,7 +437,7 @@ def _create_isolated(
         str(config["type"]),
         layout_fingerprint=layout_fingerprint,
     )
-    return _start_manager(start, config, where, position)
+    return _start_manager(start, config, where, position, tier_class)
 
 
 _TIER_START_NOTE = "kv-tiering: "

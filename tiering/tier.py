@@ -123,6 +123,10 @@ class AsyncTier:
     #: Most threads :meth:`run_in_thread` occupies at once for this tier
     #: (one ``anyio.CapacityLimiter`` per tier); ``None``: ``max_concurrency``.
     max_threads: int | None = None
+    #: What the tier stores blocks on: ``"STORAGE"`` (disks, remote stores) or ``"CPU"``
+    #: (host memory). The default of its config's ``medium`` key, which requests'
+    #: ``kv_load_tiers`` / ``kv_store_tiers`` match (:mod:`tiering.manager.filters`).
+    medium: str = "STORAGE"
 
     _context: TierContext | None = None
     _thread_limiter: anyio.CapacityLimiter | None = None

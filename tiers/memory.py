@@ -56,6 +56,7 @@ class MemoryTier(AsyncTier):
     """
 
     max_concurrency = 64
+    medium = "CPU"
 
     def __init__(
         self,

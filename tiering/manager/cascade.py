@@ -18,10 +18,11 @@ and it catches up by itself: each finished job makes room for the next.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import OffloadKey, ReqContext
+from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.manager.filters import TierFilter
 from tiering.manager.state import Job, JobKind, block_ids_of
 from tiering.manager.statistics import StatisticsMixin
 
@@ -71,6 +72,15 @@ class CascadeMixin(StatisticsMixin):
                 primary.complete_load(keys)
                 counters.failures += 1
                 self._failure_log.failed(counters.name, f"cascade job {job_id}", repr(exc))
+
+    def _cascade_filtered(
+        self, keys: Sequence[OffloadKey], filters: Mapping[OffloadKey, TierFilter]
+    ) -> None:
+        """Cascade each key to the tiers its request's ``kv_store_tiers`` allows."""
+        for position, tier in enumerate(self._tiers):
+            allowed = tuple(k for k in keys if filters[k].allows(tier.medium, tier.locality))
+            if allowed:
+                self._cascade(allowed, (position,), NO_CONTEXT)
 
     def _over_budget(self, position: int, blocks: int) -> bool:
         """Whether tier ``position`` is behind: ``blocks`` more would pin more than its share

@@ -22,6 +22,7 @@ from tiering.errors import ContractError
 from tiering.jobs import SecondaryTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
 from tiering.manager.failures import FailureLog
+from tiering.manager.filters import ALL, RequestFilters
 from tiering.manager.results import ResultsMixin
 from tiering.manager.state import (
     DEFAULT_FAILED_PROMOTION_BACKOFF_S,
@@ -139,6 +140,8 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         self._promoting = {}  # key -> source tier (staged or submitted)
         self._staged = [[] for _ in tiers]
         self._job_starts = [{} for _ in tiers]
+        self._filters = RequestFilters()
+        self._store_filters = {}  # key -> its request's kv_store_tiers, prepare to complete
         self._num_staged = 0
         self._user_load_pins = {}  # pins taken by the engine
         # Keys answered True since the step began: a promotion's eviction must not take them
@@ -235,7 +238,10 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
                     return False
                 del self._backoff[key]
         pending = False
+        load_filter = self._filters.of(req_context)[0]
         for position, tier in enumerate(self._tiers):
+            if load_filter is not ALL and not load_filter.allows(tier.medium, tier.locality):
+                continue  # the request's kv_load_tiers leaves this tier out
             try:
                 answer = tier.lookup(key, req_context)
             except Exception:
@@ -325,6 +331,11 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         if self._jobs and self._primary.num_free() < len(keys):
             self._poll()
         output = self._primary.prepare_store(keys, req_context)
+        if output is not None and output.keys_to_store:
+            store_filter = self._filters.of(req_context)[1]
+            if store_filter is not ALL:  # kv_store_tiers: remembered until complete_store
+                for key in output.keys_to_store:
+                    self._store_filters[key] = store_filter
         if output is None:
             # Never silent: the engine keeps these blocks only on the GPU.
             self._primary_counters.dropped += len(keys)
@@ -356,14 +367,18 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
                         "from a secondary tier, not stored by prepare_store"
                     )
         self._primary.complete_store(keys, success)
+        filters = self._store_filters
+        chosen = [filters.pop(key, ALL) for key in keys] if filters else None
         if not success:
             self._primary_counters.failures += 1
             return
         self._primary_counters.cascades += len(keys)
         if keys and self._tiers:
             admitted = keys if self._admission is None else self._admission.admit(keys)
-            if admitted:
+            if admitted and chosen is None:
                 self._cascade(tuple(admitted), range(len(self._tiers)), NO_CONTEXT)
+            elif admitted and chosen is not None:
+                self._cascade_filtered(admitted, dict(zip(keys, chosen, strict=True)))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Stored/removed events of the primary tier and of every secondary tier.
@@ -392,6 +407,8 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
             except Exception:
                 self._internal_error(f"take_events of tier {self._tier_counters[position].name}")
                 continue
+            if not tier.events_enabled:
+                continue  # the tier's enable_kv_events is off: taken, not reported
             for keys, removed in tier_events:
                 if keys:
                     events.append(
@@ -400,6 +417,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
                             block_size=self._event_block_size,
                             medium=tier.tier_type,
                             removed=removed,
+                            locality=tier.locality,
                         )
                     )
         return events
