@@ -27,6 +27,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # skips a 15-25 s compile per engine
 
+#: vLLM's processes log through this config (read when each imports vLLM): vLLM's own lines,
+#: and kv-tiering's INFO lines, which vLLM's default config leaves without a handler.
+LOGGING_CONFIG = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+    "handlers": {
+        "out": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "level": "INFO",
+            "stream": "ext://sys.stdout",
+        }
+    },
+    "loggers": {
+        name: {"handlers": ["out"], "level": "INFO", "propagate": False}
+        for name in ("vllm", "tiering")
+    },
+}
+
 
 def prompt_words(seed: int, words: int) -> str:
     """A deterministic prompt of ``words`` one-token words (distinct per seed)."""
@@ -120,6 +140,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    logging_config = Path(spec["out"]).with_suffix(".logging.json")
+    logging_config.write_text(json.dumps(LOGGING_CONFIG))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(logging_config)
     summary = run(spec)
     Path(spec["out"]).write_text(json.dumps(summary, indent=1, default=str))
     return 0

@@ -13,7 +13,10 @@ tiny local Llama, greedy decoding, the same prompt schedule:
   request is served from the blocks the previous engine left;
 - redis: ``KVTieringRedisTier`` as the secondary tier;
 - negative control: the same spec but every loaded block is zeroed in the
-  engine: A2's tokens must change, proving the outputs depend on the loaded bytes.
+  engine: A2's tokens must change, proving the outputs depend on the loaded bytes;
+- hybrid: a Gemma-3-style model alternating sliding-window and full attention
+  (two KV-cache groups of different kinds), block-size factor 1 and 2, with our
+  filesystem tier: the same schedule, shorter prompts in a smaller engine.
 
 Pass criteria: greedy tokens identical to the baseline for every request, the
 repeated prompt served from offload (cached tokens reported by the engine),
@@ -34,7 +37,7 @@ import pytest
 
 from tests.support.redis_server import RedisServer
 from tests.vllm_engine.engine_run import kv_bytes_per_block
-from tests.vllm_engine.tiny_model import build
+from tests.vllm_engine.tiny_model import build, build_hybrid
 
 REPO = Path(__file__).resolve().parents[2]
 OURS = "tiering.integrations.vllm"
@@ -75,9 +78,17 @@ def offload_config(model: str, secondary_tiers: list[dict[str, Any]], **extra: A
 
 
 def run_engine(
-    workdir: Path, name: str, model: str, kv_transfer_config: dict | None, schedule: list
+    workdir: Path,
+    name: str,
+    model: str,
+    kv_transfer_config: dict | None,
+    schedule: list,
+    **sizes: Any,
 ) -> dict[str, Any]:
-    """One engine process; returns its results (fails with the log's tail if it fails)."""
+    """One engine process; returns its results (fails with the log's tail if it fails).
+
+    ``sizes`` override the engine's (``engine_blocks``, ``max_model_len``).
+    """
     spec = {
         "model": model,
         "out": str(workdir / f"{name}.json"),
@@ -85,6 +96,7 @@ def run_engine(
         "schedule": schedule,
         "block_size": BLOCK_SIZE,
         "engine_blocks": ENGINE_BLOCKS,
+        **sizes,
     }
     spec_path = workdir / f"{name}.run.json"
     spec_path.write_text(json.dumps(spec))
@@ -103,6 +115,7 @@ def run_engine(
         pytest.fail(f"engine run {name} failed ({done.returncode}):\n{log.read_text()[-6000:]}")
     result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
     result["by_name"] = {r["name"]: r for r in result["results"]}
+    result["log"] = log.read_text()
     return result
 
 
@@ -213,3 +226,94 @@ def test_outputs_depend_on_the_loaded_bytes(
     assert run["by_name"]["A2"]["token_ids"] != baseline["by_name"]["A2"]["token_ids"]  # ...so
     # zeroed KV must change the tokens; and requests that loaded nothing are untouched.
     assert run["by_name"]["A1"]["token_ids"] == baseline["by_name"]["A1"]["token_ids"]
+
+
+# -- a hybrid model: sliding-window and full-attention layers, two KV-cache groups ------------
+
+HYBRID_WORDS = 600
+HYBRID_SCHEDULE = [["A1", 0, HYBRID_WORDS, 16]] + [
+    [f"F{i}", i, HYBRID_WORDS, 16] for i in range(1, 5)
+]
+HYBRID_SCHEDULE.append(["A2", 0, HYBRID_WORDS, 16])
+# One request fills the engine (so A leaves it), and A leaves the CPU tier too.
+HYBRID_SIZES = {"engine_blocks": 24, "max_model_len": 704}
+HYBRID_CPU_CHUNKS = 24
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(workdir: Path) -> str:
+    return str(build_hybrid(workdir / "hybrid-model"))
+
+
+@pytest.fixture(scope="module")
+def hybrid_baseline(workdir: Path, hybrid_model: str) -> dict[str, Any]:
+    return run_engine(
+        workdir, "hybrid-baseline", hybrid_model, None, HYBRID_SCHEDULE, **HYBRID_SIZES
+    )
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_a_hybrid_model_with_two_kv_groups_is_served_from_our_tier(
+    workdir: Path, hybrid_model: str, hybrid_baseline: dict[str, Any], factor: int
+) -> None:
+    root = workdir / f"hybrid-fs-{factor}"
+    tier = {"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(root)}
+    config = offload_config(hybrid_model, [tier])
+    config["kv_connector_extra_config"].update(
+        block_size=BLOCK_SIZE * factor,
+        cpu_bytes_to_use=kv_bytes_per_block(hybrid_model, BLOCK_SIZE) * HYBRID_CPU_CHUNKS,
+    )
+    run = run_engine(
+        workdir, f"hybrid-{factor}", hybrid_model, config, HYBRID_SCHEDULE, **HYBRID_SIZES
+    )
+    # Our worker copied both groups' blocks (the worker says how many groups it was given).
+    assert f"2 KV-cache group(s), {factor} GPU block(s) per chunk" in run["log"]
+    assert_same_tokens(run, hybrid_baseline)
+    assert hybrid_baseline["by_name"]["A2"]["num_cached_tokens"] == 0, "the baseline kept A"
+    full_blocks = (HYBRID_WORDS // BLOCK_SIZE) * BLOCK_SIZE
+    assert run["by_name"]["A2"]["num_cached_tokens"] >= full_blocks - BLOCK_SIZE * factor
+    assert metric(run, "vllm:kv_offload_tiering_read_bytes", OUR_TIER_LABEL) > 0  # from disk
+    assert metric(run, "vllm:kv_offload_tiering_chunk_hits", OUR_TIER_LABEL) > 0
+
+
+# -- two engines, one shared tier ---------------------------------------------------------------
+
+
+def test_a_second_engine_gets_the_firsts_prefixes_and_another_model_gets_none(
+    workdir: Path,
+    model: str,
+    hybrid_model: str,
+    baseline: dict[str, Any],
+    hybrid_baseline: dict[str, Any],
+    redis_for_engines: RedisServer,
+) -> None:
+    tier = {
+        "type": "KVTieringRedisTier",
+        "module_path": OURS,
+        "url": redis_for_engines.url,
+        "namespace": "shared-by-engines",
+    }
+    first_a = [["A1", 0, PROMPT_WORDS, 16]]
+    run_engine(workdir, "redis-first", model, offload_config(model, [tier]), first_a)
+    second = run_engine(workdir, "redis-second", model, offload_config(model, [tier]), first_a)
+    served = second["by_name"]["A1"]
+    assert served["token_ids"] == baseline["by_name"]["A1"]["token_ids"]
+    assert served["num_cached_tokens"] >= (PROMPT_WORDS // BLOCK_SIZE - 1) * BLOCK_SIZE
+    assert metric(second, "vllm:kv_offload_tiering_read_bytes", OUR_TIER_LABEL) > 0
+    # Another model on the same namespace: its layout fingerprint differs, so no hit and no
+    # bytes of the first model's (which would change its tokens).
+    config = offload_config(hybrid_model, [tier])
+    config["kv_connector_extra_config"]["cpu_bytes_to_use"] = (
+        kv_bytes_per_block(hybrid_model, BLOCK_SIZE) * HYBRID_CPU_CHUNKS
+    )
+    other = run_engine(
+        workdir,
+        "redis-other-model",
+        hybrid_model,
+        config,
+        [["A1", 0, HYBRID_WORDS, 16]],
+        **HYBRID_SIZES,
+    )
+    assert other["by_name"]["A1"]["num_cached_tokens"] == 0
+    assert other["by_name"]["A1"]["token_ids"] == hybrid_baseline["by_name"]["A1"]["token_ids"]
+    assert metric(other, "vllm:kv_offload_tiering_chunk_hits", OUR_TIER_LABEL) == 0

@@ -1,4 +1,8 @@
-"""A tiny random-weight Llama and a word-level tokenizer, built locally (no model hub).
+"""Tiny random-weight models and a word-level tokenizer, built locally (no model hub).
+
+:func:`build` makes a Llama (one KV-cache group); :func:`build_hybrid` a
+Gemma-3-style text model whose layers alternate sliding-window and full
+attention, which vLLM serves with two KV-cache groups of different kinds.
 
 Every word ``w<i>`` of the vocabulary is exactly one token, so a prompt of N
 words is N + 1 tokens (with BOS) and block boundaries are predictable. The
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 
@@ -80,13 +85,64 @@ def build(
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config)
+    _save_spread(LlamaForCausalLM(config), out)
+    return out
+
+
+def build_hybrid(
+    out: Path,
+    *,
+    layers: int = 4,
+    sliding_window: int = 128,
+    seed: int = 2,
+) -> Path:
+    """A Gemma-3 text model alternating sliding-window and full-attention layers; ``out``.
+
+    Same tokenizer and sizes as :func:`build`. Seed 2 (and 3) give greedy outputs
+    identical with the OffloadingConnector on and off on the engine tests'
+    prompts (measured); seed 1 has a near-tie in one filler request.
+    """
+    import json
+
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    build(out)  # the tokenizer, and a config to take its special token ids from
+    llama = json.loads((out / "config.json").read_text())
+    for weights in out.glob("*.safetensors"):
+        weights.unlink()
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=llama["vocab_size"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        max_position_embeddings=llama["max_position_embeddings"],
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        bos_token_id=llama["bos_token_id"],
+        eos_token_id=llama["eos_token_id"],
+        pad_token_id=llama["pad_token_id"],
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    _save_spread(Gemma3ForCausalLM(config), out)
+    return out
+
+
+def _save_spread(model: Any, out: Path) -> None:
+    """Widely spread weights (greedy outputs then depend on the KV), saved as bf16."""
+    import torch
+
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
-                param.normal_(0.0, 0.2)  # spread logits: greedy outputs depend on the KV
+                param.normal_(0.0, 0.2)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    return out
 
 
 def main() -> None:

@@ -260,11 +260,14 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
             region.cleanup()
             raise
         logger.info(
-            "kv-tiering copy worker (%s engine) for rank %d: %d chunks of %d bytes",
+            "kv-tiering copy worker (%s engine) for rank %d: %d chunks of %d bytes, "
+            "%d KV-cache group(s), %d GPU block(s) per chunk",
             type(copy_worker.engine).__name__,
             rank,
             self.num_chunks,
             self.kv_bytes_per_chunk,
+            copy_worker.engine.layout.num_groups,
+            self.blocks_per_chunk,
         )
         return CopyEngineOffloadingWorker(copy_worker, region)
 

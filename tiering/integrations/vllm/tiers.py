@@ -15,6 +15,7 @@ except ``drain_jobs`` (blocks by contract) and ``shutdown``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, ClassVar
@@ -152,6 +153,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             layout_fingerprint=translate.layout_fingerprint(offloading_spec, block_bytes),
         )
         self._loads: set[int] = set()  # job ids of the promotions in flight
+        self._hash_seed_checked = False
         self._shut_down = False
         self._metrics = SecondaryTierExport(self._runtime)
         logger.info(
@@ -216,6 +218,9 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
 
     def submit_store(self, job_metadata: Any) -> None:
         """Cascade: copy the job's primary chunks into the tier (keys it holds are skipped)."""
+        if not self._hash_seed_checked:
+            self._hash_seed_checked = True  # vLLM resolves its hash seed after building tiers
+            _warn_if_keys_are_per_process(self.tier_type, self.medium)
         job = translate.job_metadata(job_metadata, is_promotion=False)
         self._runtime.submit_store(job)
         self._in_flight.started(job.job_id, len(job.keys), time.monotonic())
@@ -343,6 +348,25 @@ class KVTieringMemoryTier(KVTieringTier):
     medium: Any = Medium.CPU
     cache_hit_source: Any = CacheHitSource.HOST
     fixed_tier: ClassVar[str | None] = "memory"
+
+
+def _warn_if_keys_are_per_process(tier_type: str, medium: Any) -> None:
+    """One WARNING when block keys will differ in any other process, for a tier that outlives
+    this one (storage: a restart, another engine): vLLM seeds a non-cryptographic prefix hash
+    (``xxhash``) randomly per process unless ``PYTHONHASHSEED`` is set."""
+    if medium is not Medium.STORAGE or os.getenv("PYTHONHASHSEED") is not None:
+        return
+    from vllm.v1.core import kv_cache_utils
+
+    if kv_cache_utils.get_none_hash_seed() == kv_cache_utils.DEFAULT_NONE_HASH_SEED:
+        return  # a cryptographic hash with vLLM's fixed seed: the same keys everywhere
+    logger.warning(
+        "tier %r keeps blocks beyond this process, but vLLM hashes prefixes with a random "
+        "per-process seed (a non-cryptographic prefix_caching_hash_algo without "
+        "PYTHONHASHSEED): no other engine, nor this one after a restart, will hit them; set "
+        "PYTHONHASHSEED to one value in every engine, or use sha256",
+        tier_type,
+    )
 
 
 def _serve_metrics(offloading_spec: Any) -> None:
