@@ -202,3 +202,28 @@ def test_a_cpu_tier_larger_than_the_host_is_refused_before_the_region_exists() -
     with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=64.0 TiB .* is more memory than"):
         spec.get_manager()
     assert set(os.listdir("/dev/shm")) == before
+
+
+@pytest.mark.parametrize(
+    ("cores", "env", "warned"), [(2, None, True), (8, None, False), (2, "1", False)]
+)
+def test_a_cpu_host_with_no_core_left_for_the_scheduler_is_warned_about(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cores: int,
+    env: str | None,
+    warned: bool,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    if env is None:
+        monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", env)
+    spec = spec_for(OUR_SPEC)
+    with caplog.at_level("WARNING", logger="tiering.integrations.vllm"):
+        manager = spec.get_manager()
+    try:
+        found = [m for m in caplog.messages if "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in m]
+        assert bool(found) is warned
+    finally:
+        manager.shutdown()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import os
 from collections.abc import Collection
 from typing import Any
 
@@ -224,6 +225,8 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
             check_host_memory(
                 "cpu_bytes_to_use", self.num_chunks * self.kv_bytes_per_chunk, shared=True
             )
+            if self.copy_engine == "host":
+                _warn_if_no_core_is_reserved(int(self.config.parallel.world_size))
         return super().get_manager()
 
     def get_worker(self, kv_caches: Any) -> Any:
@@ -270,6 +273,29 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
             self.blocks_per_chunk,
         )
         return CopyEngineOffloadingWorker(copy_worker, region)
+
+
+def _warn_if_no_core_is_reserved(world_size: int) -> None:
+    """vLLM's CPU backend: say so when a KV connector leaves the scheduler no core of its own.
+
+    It reserves one core per worker for the scheduler process and, whenever a KV
+    connector is configured, one more (for NIXL's P/D transfers). Where that is every
+    core, it reserves none: the scheduler's spin-wait then shares the model's cores, and
+    decode steps took about twice as long on a 2-core machine (docs/vllm.md).
+    """
+    if os.getenv("VLLM_CPU_NUM_OF_RESERVED_CPU") is not None:
+        return
+    cores = len(os.sched_getaffinity(0))
+    if cores <= 2 * world_size:
+        logger.warning(
+            "vLLM's CPU backend reserves %d core(s) when a KV connector is configured and this "
+            "process may use %d, so it reserves none: the scheduler process will share the "
+            "model's cores (decode steps about 2x slower on 2 cores); set "
+            "VLLM_CPU_NUM_OF_RESERVED_CPU=%d to keep the binding it uses without offloading",
+            2 * world_size,
+            cores,
+            world_size,
+        )
 
 
 def _with_sizes_in_bytes(config: Any) -> Any:
