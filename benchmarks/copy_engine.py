@@ -12,9 +12,8 @@ the default where built; ``memmove``, the ctypes fallback; the opt-in
 single-layer rows use the default way. Target: >= 70 % of memcpy for every
 shape.
 
-CUDA (only where a device exists): the same jobs between a CUDA KV tensor and
-the pinned primary buffer, per strategy, against one ``cudaMemcpyAsync`` of a
-pinned buffer of the same size. Target: >= 80 %.
+The CUDA engine has its own benchmark, ``benchmarks/gpu_copy.py`` (per
+strategy, against one pinned ``cudaMemcpyAsync`` and vLLM's worker).
 
 Figures are medians of ``--reps`` runs (31 by default: with 7, one row in
 three runs fell 19-46 points below its neighbours' figure from the host's
@@ -171,67 +170,6 @@ def host_rows_for(
     return rows
 
 
-def cuda_rows(job_bytes: int, reps: int) -> list[tuple[str, ...]]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    rows = []
-    pinned_src = torch.empty(job_bytes, dtype=torch.uint8).pin_memory()
-    device_dst = torch.empty(job_bytes, dtype=torch.uint8, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def memcpy_gbps(to_device: bool) -> float:
-        times = []
-        for _ in range(reps + 1):
-            start.record()
-            if to_device:
-                device_dst.copy_(pinned_src, non_blocking=True)
-            else:
-                pinned_src.copy_(device_dst, non_blocking=True)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        return job_bytes / statistics.median(times[1:]) / 1e9
-
-    ceilings = {True: memcpy_gbps(False), False: memcpy_gbps(True)}  # store = D2H
-    for block in BLOCK_SIZES:
-        per_job = max(1, job_bytes // block)
-        num_gpu = num_cpu = per_job * 4
-        gpu = torch.randint(0, 127, (num_gpu, block), dtype=torch.int8, device="cuda")
-        kv = CanonicalKVCaches(
-            [CanonicalKVCacheTensor(gpu, block)], [[CanonicalKVCacheRef(0, block)]]
-        )
-        with HostBuffer.create(num_cpu, required_cpu_block_bytes([block])) as host:
-            host.as_numpy()[:] = 1
-            for strategy in ("dma", "kernel"):
-                try:
-                    worker = make_copy_worker(kv, host, engine="cuda", strategy=strategy)
-                except RuntimeError as exc:
-                    rows.append(("cuda", f"{block // KIB} KiB", strategy, "n/a", "", str(exc)[:40]))
-                    continue
-                try:
-                    runner = JobRunner(worker, num_gpu, num_cpu, per_job)
-                    for label, store in (("store", True), ("load", False)):
-                        seconds = median_seconds(lambda s=store, r=runner: r.run(s), reps)
-                        gbps = per_job * block / seconds / 1e9
-                        ceiling = ceilings[store]
-                        rows.append(
-                            (
-                                f"cuda/{strategy}",
-                                f"{block // KIB} KiB",
-                                label,
-                                f"{gbps:6.2f}",
-                                f"{ceiling:6.2f}",
-                                f"{gbps / ceiling:5.0%}",
-                            )
-                        )
-                finally:
-                    worker.shutdown()
-        del gpu
-    return rows
-
-
 def print_table(rows: list[tuple[str, ...]]) -> None:
     header = ("engine", "block", "direction", "GB/s", "memcpy GB/s", "ratio")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -259,8 +197,8 @@ def main(argv: Any = None) -> None:
             for block in BLOCK_SIZES:
                 rows += host_rows_for(block, 8, job_bytes, args.reps, f"host/{mode}")
         bulk._reset_for_tests(None)
-    rows += cuda_rows(job_bytes, args.reps)
     print_table(rows)
+    print("CUDA engine: benchmarks/gpu_copy.py (against pinned cudaMemcpyAsync and vLLM's worker)")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def remove_stale_shared(prefix: str = "kvtier", shm_dir: str = SHM_DIR) -> list[
         if match is None or match["prefix"] != prefix:
             continue
         pid = int(match["pid"])
-        if pid == os.getpid() or _pid_running(pid):
+        if pid == os.getpid() or pid_running(pid):
             continue
         try:
             info = entry.stat(follow_symlinks=False)
@@ -102,7 +102,8 @@ def remove_stale_shared(prefix: str = "kvtier", shm_dir: str = SHM_DIR) -> list[
     return removed
 
 
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether a process with this pid exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

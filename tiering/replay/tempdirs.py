@@ -24,20 +24,12 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from tiering.host_buffer import pid_running
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "tiering-replay-"
 OWNER_FILE = "owner"
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True
 
 
 def _owner_alive(directory: Path, pid: int) -> bool:
@@ -47,7 +39,7 @@ def _owner_alive(directory: Path, pid: int) -> bool:
     except FileNotFoundError:
         # No record: its owner is creating it (the record appears already locked), or
         # died before it could; only a pid that no longer runs tells the latter.
-        return _pid_running(pid)
+        return pid_running(pid)
     except OSError:
         return True  # unreadable: leave it alone
     try:
