@@ -219,7 +219,13 @@ def our_rows(
                     rows.append(Row(f"ours/{strategy}", label, direction, gbps, ceilings[store]))
             finally:
                 worker.shutdown()
-    rows += vllm_rows(device, label, tensors, page, layers, jobs, moved, ceilings, reps)
+    try:
+        rows += vllm_rows(device, label, tensors, page, layers, jobs, moved, ceilings, reps)
+    except Exception as exc:  # vLLM imports but its worker cannot run here: a row that says so
+        why = f"vLLM's worker failed: {type(exc).__name__}: {exc}"
+        rows += [
+            Row("vllm", label, d, None, ceilings[d == "store"], why) for d in ("store", "load")
+        ]
     return rows
 
 
