@@ -36,7 +36,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 # The documentation site, into the git-ignored site/; --strict fails on a broken link or
 # anchor, a page missing from mkdocs.yml's nav, or a nav entry without a page.
