@@ -81,7 +81,9 @@ async def test_hangs_end_only_by_cancellation_and_stubborn_hangs_outlive_it() ->
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    tier.plan = FaultPlan(hang_rate=1.0, hang_ignores_cancel_s=0.2, ops={"read"})
+    # Shielded for 1 s: the check below comes a few ms after the cancel, with a wide margin
+    # for a loaded machine (0.2 s once left too little).
+    tier.plan = FaultPlan(hang_rate=1.0, hang_ignores_cancel_s=1.0, ops={"read"})
     task = asyncio.ensure_future(tier.read(key(1), memoryview(bytearray(BLOCK))))
     await asyncio.sleep(0.01)
     task.cancel()

@@ -309,8 +309,9 @@ async def test_cancelled_batch_write_releases_its_slots(tmp_path: Path) -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        index = tier._state().index
-        await asyncio.sleep(0.05)  # a commit already handed to the journal may still land
+        index, journal = tier._state().index, tier._state().journal
+        # A commit already handed to the journal lands when its records are durable.
+        await journal.wait_durable(journal.next_seq - 1)
         assert index.reserved_count() == 0
         index.check_invariants()
         for k in keys:
