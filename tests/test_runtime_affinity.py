@@ -101,6 +101,35 @@ def test_a_cpu_the_process_may_not_use_fails_at_pinning_and_changes_nothing() ->
     assert os.sched_getaffinity(0) == before
 
 
+def test_pinning_outside_the_cpuset_is_refused_and_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same as above on every machine: a kernel whose cpuset allows one CPU.
+
+    Linux narrows an affinity mask to the cpuset without an error, and refuses
+    (EINVAL) a mask with no allowed CPU at all; the thread must end as it began.
+    """
+    cpuset = {TARGET}
+    mask = {"now": set(cpuset)}
+
+    def set_affinity(tid: int, cpus: object) -> None:
+        assert tid == 0
+        narrowed = set(cpus) & cpuset  # type: ignore[call-overload]
+        if not narrowed:
+            raise OSError(22, "Invalid argument")
+        mask["now"] = narrowed
+
+    monkeypatch.setattr(os, "sched_setaffinity", set_affinity)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda tid: set(mask["now"]))
+    outside = TARGET + 1
+    with pytest.raises(ConfigError, match=rf"cpus: {outside} not allowed to this process"):
+        pin_current_thread(frozenset({TARGET, outside}))
+    assert mask["now"] == cpuset  # narrowed for a moment, then put back
+    with pytest.raises(ConfigError, match=rf"cpus: cannot run on {outside}: "):
+        pin_current_thread(frozenset({outside}))
+    assert mask["now"] == cpuset
+    pin_current_thread(frozenset({TARGET}))  # what the cpuset allows works
+    assert mask["now"] == cpuset
+
+
 @given(st.sets(st.integers(min_value=0, max_value=300)))
 def test_the_list_format_round_trips(cpus: set[int]) -> None:
     text = format_cpu_list(cpus)
