@@ -622,3 +622,60 @@ def test_every_documented_size_spelling_runs_a_replay_and_its_report(
     assert report["setup"]["cpu_bytes_to_use"] == 16 * 2**20
     assert main(["replay", *SMALL, "--config", str(config), "--tier", tier]) == 0
     assert "CPU primary 16.0 MiB" in capsys.readouterr().out
+
+
+def test_back_pressure_and_tier_identity_keys_work_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The keys this round documented, as a config file and as --tier options."""
+    config = tmp_path / "keys.yaml"
+    config.write_text(
+        "cpu_bytes_to_use: 1MiB\n"
+        "cascade_max_pinned_fraction: 0.5\n"
+        "secondary_tiers:\n"
+        "  - {type: memory, medium: storage, locality: remote, enable_kv_events: false}\n"
+    )
+    assert main(["replay", *SMALL, "--config", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["setup"]["secondary_tiers"][0]["locality"] == "remote"
+    tier = "memory:medium=cpu,locality=LOCAL,enable_kv_events=true"
+    assert main(["replay", *SMALL, "--cpu-bytes", "1MiB", "--tier", tier]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tier", "memory:locality=nearby"], "locality must be 'LOCAL' or 'REMOTE'"),
+        (["--tier", "memory:medium=gpu"], "medium must be 'STORAGE' or 'CPU'"),
+        (["--tier", "memory:enable_kv_events=yes"], "enable_kv_events must be true or false"),
+    ],
+)
+def test_bad_tier_identity_options_are_one_line_naming_the_key(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", *SMALL, "--cpu-bytes", "1MiB", *args]) == EXIT_BAD_INPUT
+    assert message in capsys.readouterr().err
+
+
+def test_a_pinned_fraction_outside_0_1_is_refused_in_a_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "bad.json"
+    config.write_text('{"cpu_bytes_to_use": 1048576, "cascade_max_pinned_fraction": 2}')
+    assert main(["replay", *SMALL, "--config", str(config)]) == EXIT_BAD_INPUT
+    assert "cascade_max_pinned_fraction must be a number in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("fraction", "budget"), [(None, 64), (0.5, 128), (1, 256)])
+def test_the_spec_gives_the_manager_its_share(fraction: float | None, budget: int) -> None:
+    from tiering.spec import build_manager
+
+    config: dict[str, object] = {"cpu_bytes_to_use": 256 * 4096, "secondary_tiers": []}
+    if fraction is not None:
+        config["cascade_max_pinned_fraction"] = fraction
+    manager = build_manager(config, block_bytes=4096)
+    try:
+        assert manager._cascade_budget == budget
+    finally:
+        manager.shutdown()

@@ -20,7 +20,7 @@ from tests.manager_helpers import key, make_primary, store
 from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
 from tiering.manager import TieringOffloadingManager
-from tiering.manager.cascade import BEHIND_AFTER_S
+from tiering.manager.backpressure import BEHIND_AFTER_S
 
 
 class ScriptedTier(SecondaryTierManager):

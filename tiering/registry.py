@@ -71,6 +71,7 @@ from typing import Any
 from tiering.auth import AUTH_OPTION_NAMES, authenticator_from_options
 from tiering.errors import ConfigError
 from tiering.host_buffer import HostBuffer
+from tiering.manager.filters import LOCALITIES, MEDIA
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.facade import check_runtime_options
 from tiering.tier import AsyncTier
@@ -111,8 +112,6 @@ FRAMEWORK_KEYS = (
     "enable_kv_events",
 )
 _MANAGER_OPTIONS = FRAMEWORK_KEYS[3 : FRAMEWORK_KEYS.index("isolation")]
-#: What the tier is, for request filters and events (:func:`tier_identity`).
-_IDENTITY_KEYS = ("medium", "locality", "enable_kv_events")
 #: Where a tier's event loop may run (the ``isolation`` key).
 ISOLATION_MODES = ("thread", "process")
 
@@ -371,11 +370,11 @@ def tier_identity(
     (default true). Raises :class:`ConfigError` naming the key for anything else."""
     medium = config.get("medium")
     medium = tier_class.medium if medium is None else medium
-    if not isinstance(medium, str) or medium.upper() not in ("CPU", "STORAGE"):
+    if not isinstance(medium, str) or medium.upper() not in MEDIA:
         raise ConfigError(f"medium must be 'STORAGE' or 'CPU', got {medium!r}")
     locality = config.get("locality")
     if locality is not None and (
-        not isinstance(locality, str) or locality.upper() not in ("LOCAL", "REMOTE")
+        not isinstance(locality, str) or locality.upper() not in LOCALITIES
     ):
         raise ConfigError(f"locality must be 'LOCAL' or 'REMOTE', got {locality!r}")
     events = config.get("enable_kv_events", True)

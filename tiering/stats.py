@@ -123,7 +123,6 @@ class TierCounters:
         "medium",
         "misses",
         "name",
-        "pinned_blocks",
         "promotions",
         "routine_failures",
         "seconds_moved",
@@ -143,7 +142,6 @@ class TierCounters:
         self.seconds_moved = 0.0
         self.jobs_in_flight = 0
         self.dropped = 0
-        self.pinned_blocks = 0  # primary rows this tier's jobs in flight hold (back-pressure)
         self.job_seconds_counts = [0] * (len(JOB_SECONDS_BUCKETS) + 1)
 
     def add_transfer(self, nbytes: int, seconds: float) -> None:

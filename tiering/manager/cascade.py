@@ -5,14 +5,9 @@ One store job per tier for a batch of keys. The primary rows are pinned
 never frees bytes an in-flight copy still reads; the result releases the pin and
 counts what landed.
 
-Back-pressure: a tier that is behind - its jobs in flight (cascades and
-promotions) already pin its share of the primary tier
-(``cascade_max_pinned_fraction``) and the oldest has waited longer than a tier
-that keeps up takes - gets no new cascade until some finish; the blocks are
-dropped for that tier and counted (``dropped``); its hits are answered as
-misses (``promotion_no_room``, see :mod:`tiering.manager.promotion`). A tier
-that falls behind thus costs its own hit rate, never the primary tier's room,
-and it catches up by itself: each finished job makes room for the next.
+Back-pressure (:mod:`tiering.manager.backpressure`): while a tier is behind, its
+cascades are dropped and counted (``dropped``) and its hits answered as misses
+(``promotion_no_room``, see :mod:`tiering.manager.promotion`).
 """
 
 from __future__ import annotations
@@ -25,9 +20,6 @@ from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
 from tiering.manager.filters import TierFilter
 from tiering.manager.state import Job, JobKind, block_ids_of
 from tiering.manager.statistics import StatisticsMixin
-
-#: A tier whose oldest cascade in flight is younger than this keeps up (see ``_over_budget``).
-BEHIND_AFTER_S = 0.05
 
 # Every part logs as "tiering.manager", the name operators filter on.
 logger = logging.getLogger("tiering.manager")
@@ -46,10 +38,10 @@ class CascadeMixin(StatisticsMixin):
         polled = False
         for position in positions:
             counters = self._tier_counters[position]
-            if self._over_budget(position, len(keys)) and not polled:
+            if self._behind(position, len(keys)) and not polled:
                 self._poll()  # results that arrived since the step began make room
                 polled = True
-            if self._over_budget(position, len(keys)):
+            if self._behind(position, len(keys)):
                 counters.dropped += len(keys)  # back-pressure: the tier is behind
                 continue
             # One pin per tier job, released when that job's result arrives.
@@ -60,14 +52,12 @@ class CascadeMixin(StatisticsMixin):
                 metadata = JobMetadata(job_id, keys, block_ids, False, req_context)
                 self._jobs[job_id] = job
                 counters.jobs_in_flight += 1
-                counters.pinned_blocks += len(keys)
-                self._job_starts[position][job_id] = job.submitted_at
+                self._in_flight[position].started(job_id, len(keys), job.submitted_at)
                 self._tiers[position].submit_store(metadata)
             except Exception as exc:
                 if self._jobs.pop(job_id, None) is not None:
                     counters.jobs_in_flight -= 1
-                    counters.pinned_blocks -= len(keys)
-                    self._job_starts[position].pop(job_id, None)
+                    self._in_flight[position].finished(job_id)
                 self._internal_error(f"submitting cascade job {job_id} to tier {counters.name}")
                 primary.complete_load(keys)
                 counters.failures += 1
@@ -82,30 +72,14 @@ class CascadeMixin(StatisticsMixin):
             if allowed:
                 self._cascade(allowed, (position,), NO_CONTEXT)
 
-    def _over_budget(self, position: int, blocks: int) -> bool:
-        """Whether tier ``position`` is behind: ``blocks`` more would pin more than its share
-        while its oldest job has been in flight longer than a tier that keeps up takes.
-
-        Cascades and promotions both hold primary rows until their tier answers; a slow
-        tier's promotions wait behind its writes, so both count.
-
-        A tier that answers within :data:`BEHIND_AFTER_S` is never behind, whatever it has in
-        flight: the pins are released before the engine needs the rows, and a scheduler that
-        runs steps back to back (a replay) would otherwise drop blocks a real engine keeps.
-        """
-        counters = self._tier_counters[position]
-        in_flight = counters.pinned_blocks
-        if not in_flight or in_flight + blocks <= self._cascade_budget:
-            return False
-        started = self._job_starts[position]
-        oldest = next(iter(started.values()), None)
-        return oldest is not None and self._clock() - oldest > BEHIND_AFTER_S
+    def _behind(self, position: int, rows: int) -> bool:
+        """Whether ``rows`` more would find tier ``position`` behind (back-pressure)."""
+        return self._in_flight[position].behind(rows, self._cascade_budget, self._clock)
 
     def _finish_cascade(self, job: Job, result: JobResult) -> None:
         self._primary.complete_load(job.keys)
         counters = self._tier_counters[job.tier]
-        counters.pinned_blocks -= len(job.keys)
-        self._job_starts[job.tier].pop(result.job_id, None)
+        self._in_flight[job.tier].finished(result.job_id)
         if result.success:
             stored = len(job.keys)
         else:

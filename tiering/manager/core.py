@@ -21,6 +21,7 @@ from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOut
 from tiering.errors import ContractError
 from tiering.jobs import SecondaryTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.manager.backpressure import JobsInFlight
 from tiering.manager.failures import FailureLog
 from tiering.manager.filters import ALL, RequestFilters
 from tiering.manager.results import ResultsMixin
@@ -139,7 +140,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
         self._jobs = {}  # submission order: the first is the oldest
         self._promoting = {}  # key -> source tier (staged or submitted)
         self._staged = [[] for _ in tiers]
-        self._job_starts = [{} for _ in tiers]
+        self._in_flight = [JobsInFlight() for _ in tiers]
         self._filters = RequestFilters()
         self._store_filters = {}  # key -> its request's kv_store_tiers, prepare to complete
         self._num_staged = 0
@@ -368,7 +369,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
                     )
         self._primary.complete_store(keys, success)
         filters = self._store_filters
-        chosen = [filters.pop(key, ALL) for key in keys] if filters else None
+        chosen = {key: filters.pop(key, ALL) for key in keys} if filters else None
         if not success:
             self._primary_counters.failures += 1
             return
@@ -378,7 +379,7 @@ class TieringOffloadingManager(ResultsMixin, OffloadingManager):
             if admitted and chosen is None:
                 self._cascade(tuple(admitted), range(len(self._tiers)), NO_CONTEXT)
             elif admitted and chosen is not None:
-                self._cascade_filtered(admitted, dict(zip(keys, chosen, strict=True)))
+                self._cascade_filtered(admitted, chosen)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Stored/removed events of the primary tier and of every secondary tier.

@@ -115,15 +115,9 @@ class RequestFilters:
         cached = self._parsed.get(id(params))
         if cached is not None and cached[0] is params:
             return cached[1], cached[2]
-        load = (
-            parse_tier_filter(params[LOAD_TIERS_KEY], LOAD_TIERS_KEY)
-            if (LOAD_TIERS_KEY in params)
-            else ALL
-        )
-        store = (
-            parse_tier_filter(params[STORE_TIERS_KEY], STORE_TIERS_KEY)
-            if (STORE_TIERS_KEY in params)
-            else ALL
+        load, store = (
+            parse_tier_filter(params[key], key) if key in params else ALL
+            for key in (LOAD_TIERS_KEY, STORE_TIERS_KEY)
         )
         if len(self._parsed) >= _CACHE_SIZE:
             del self._parsed[next(iter(self._parsed))]

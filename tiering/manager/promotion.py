@@ -8,7 +8,7 @@ frees them and answers the keys as misses for ``failed_promotion_backoff_s``.
 A block promoted from tier *i* is also cascaded to the tiers before *i*.
 
 Back-pressure: a hit in a tier that is behind (its jobs in flight pin its share
-of the primary tier, see :mod:`tiering.manager.cascade`) is answered as a miss
+of the primary tier, see :mod:`tiering.manager.backpressure`) is answered as a miss
 and counted in ``promotion_no_room``: the promotion would wait behind that
 tier's backlog holding a primary row.
 """
@@ -37,10 +37,10 @@ class PromotionMixin(CascadeMixin):
         and not a hit of this step) beyond those already promised.
         """
         primary = self._primary
-        if self._over_budget(position, 1):
+        if self._behind(position, 1):
             if self._jobs:
                 self._poll()
-            if self._over_budget(position, 1):
+            if self._behind(position, 1):
                 # Back-pressure: the tier is behind, its jobs already pin its share of the
                 # primary tier. A promotion would wait behind them holding one more row.
                 self._no_room += 1
@@ -132,8 +132,7 @@ class PromotionMixin(CascadeMixin):
         job_id = next(self._job_ids)
         job = Job(JobKind.PROMOTION, position, keys, batch.req_context, self._clock())
         # The rows are held until the result: counted for back-pressure, released there.
-        self._tier_counters[position].pinned_blocks += len(keys)
-        self._job_starts[position][job_id] = job.submitted_at
+        self._in_flight[position].started(job_id, len(keys), job.submitted_at)
         try:
             metadata = JobMetadata(
                 job_id,
@@ -153,8 +152,7 @@ class PromotionMixin(CascadeMixin):
 
     def _finish_promotion(self, job: Job, result: JobResult) -> None:
         counters = self._tier_counters[job.tier]
-        counters.pinned_blocks -= len(job.keys)
-        self._job_starts[job.tier].pop(result.job_id, None)
+        self._in_flight[job.tier].finished(result.job_id)
         if result.success:
             committed, failed = list(job.keys), []
         else:

@@ -20,6 +20,7 @@ from tiering.contract import OffloadingEvent, PrepareStoreOutput
 from tiering.errors import TierClosedError
 from tiering.jobs import JobId, SecondaryTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.manager.backpressure import JobsInFlight
 from tiering.manager.failures import FailureLog
 from tiering.manager.filters import RequestFilters, TierFilter
 from tiering.metrics import MetricsExport
@@ -131,7 +132,7 @@ class ManagerState:
     _relabel_primary_events: bool
     _max_batch: int  # most blocks per promotion job
     _cascade_budget: int  # most primary rows one tier's jobs may pin once behind (back-pressure)
-    _job_starts: list[dict[JobId, float]]  # per tier: its jobs in flight, when submitted
+    _in_flight: list[JobsInFlight]  # per tier: the rows its jobs hold, since when (back-pressure)
     _filters: RequestFilters  # kv_load_tiers / kv_store_tiers of each request, parsed once
     _store_filters: dict[OffloadKey, TierFilter]  # blocks being stored -> their kv_store_tiers
     _refusal_log: FailureLog  # prepare_store refusals, rate-limited like failures

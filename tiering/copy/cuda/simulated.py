@@ -127,12 +127,6 @@ class SimulatedStream:
         marker.record(stream)
         self.wait_event(marker)
 
-    @property
-    def pending(self) -> int:
-        """Operations not yet run."""
-        with self._device._cond:
-            return len(self._queue)
-
     def _push(self, op: _Op) -> None:
         """Enqueue (the device's lock held)."""
         self._queue.append(op)
@@ -244,11 +238,6 @@ class SimulatedCudaDevice(CudaDevice):
             self._workers.append(worker)
             worker.start()
         return stream
-
-    @property
-    def streams(self) -> list[SimulatedStream]:
-        with self._cond:
-            return list(self._streams)
 
     def current_stream(self) -> SimulatedStream:
         current: SimulatedStream | None = getattr(self._current, "stream", None)

@@ -7,7 +7,7 @@ detector only when ``backpressure`` is configured; without one a tier that falls
 behind keeps every cascade's primary chunks pinned until it answers, and the CPU
 tier stalls. So where vLLM gives our tier no detector, the tier installs
 :class:`PinnedShareDetector`, the rule our own manager applies
-(:mod:`tiering.manager.cascade`): a cascade is dropped when the tier's jobs in
+(:mod:`tiering.manager.backpressure`): a cascade is dropped when the tier's jobs in
 flight (cascades and promotions) would pin more than
 ``cascade_max_pinned_fraction`` of the CPU tier (0.25 by default) *and* the
 oldest has waited longer than a tier that keeps up takes; and while that holds,
@@ -22,28 +22,7 @@ from collections.abc import Callable
 
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector, DropStorePolicy
 
-from tiering.manager.cascade import BEHIND_AFTER_S
-
-
-class JobsInFlight:
-    """Jobs (cascades and promotions) submitted to one tier and not yet answered."""
-
-    def __init__(self) -> None:
-        self._jobs: dict[int, tuple[int, float]] = {}  # job id -> (blocks, submitted at)
-        self.blocks = 0
-
-    def started(self, job_id: int, blocks: int, at: float) -> None:
-        self._jobs[job_id] = (blocks, at)
-        self.blocks += blocks
-
-    def finished(self, job_id: int) -> None:
-        entry = self._jobs.pop(job_id, None)
-        if entry is not None:
-            self.blocks -= entry[0]
-
-    def oldest_started_at(self) -> float | None:
-        first = next(iter(self._jobs.values()), None)
-        return None if first is None else first[1]
+from tiering.manager.backpressure import JobsInFlight
 
 
 class PinnedShareDetector(BackpressureDetector):  # type: ignore[misc]  # vLLM is untyped
@@ -69,12 +48,8 @@ class PinnedShareDetector(BackpressureDetector):  # type: ignore[misc]  # vLLM i
         self.refused_hits = 0
 
     def behind(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` more would pin more than the share, the oldest job being old."""
-        in_flight = self._jobs.blocks
-        if not in_flight or in_flight + num_blocks <= self.budget_blocks:
-            return False
-        oldest = self._jobs.oldest_started_at()
-        return oldest is not None and self._clock() - oldest > BEHIND_AFTER_S
+        """Whether ``num_blocks`` more would find the tier behind (the shared rule)."""
+        return self._jobs.behind(num_blocks, self.budget_blocks, self._clock)
 
     def should_store(self, num_blocks: int) -> bool:
         self._behind = self.behind(num_blocks)

@@ -36,8 +36,11 @@ TIER_DEFAULTS = {
 _UNDER_VLLM = "inside vLLM the scheduler side is vLLM's TieringOffloadingManager"
 
 
-def check_manager_keys(extra: Mapping[str, Any]) -> None:
-    """Raise :class:`ConfigError` naming the first key vLLM's manager would ignore."""
+def check_manager_keys(extra: Mapping[str, Any]) -> dict[str, float]:
+    """Raise :class:`ConfigError` naming the first key vLLM's manager would ignore.
+
+    Returns the options our tiers take from the top-level keys (validated).
+    """
     if _cascade_admission(extra) is not None:
         raise ConfigError(
             f"cascade_admission {extra['cascade_admission']!r} has no effect: {_UNDER_VLLM}, "
@@ -49,14 +52,6 @@ def check_manager_keys(extra: Mapping[str, Any]) -> None:
             f"backfill_earlier_tiers true has no effect: {_UNDER_VLLM}, which does not copy "
             "a promoted block into the tiers that missed it; remove the key (or use false)"
         )
-    for key in TIER_DEFAULTS:
-        if extra.get(key) is not None:
-            _seconds(extra, key, 0.0, positive=key == "shutdown_timeout_s")
-
-
-def tier_defaults(extra: Mapping[str, Any]) -> dict[str, float]:
-    """Options our tiers take from the top-level keys of ``extra`` (validated)."""
-    check_manager_keys(extra)
     return {
         option: _seconds(extra, key, 0.0, positive=key == "shutdown_timeout_s")
         for key, option in TIER_DEFAULTS.items()

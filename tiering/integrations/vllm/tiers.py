@@ -32,9 +32,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering.config import pinned_fraction
 from tiering.errors import ConfigError, TierClosedError
 from tiering.integrations.vllm import translate
-from tiering.integrations.vllm.backpressure import JobsInFlight, PinnedShareDetector
-from tiering.integrations.vllm.manager_keys import tier_defaults
+from tiering.integrations.vllm.backpressure import PinnedShareDetector
+from tiering.integrations.vllm.manager_keys import check_manager_keys
 from tiering.keys import OffloadKey
+from tiering.manager.backpressure import JobsInFlight
 from tiering.metrics_secondary import SecondaryTierExport
 from tiering.metrics_server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
 from tiering.registry import create_secondary_tier
@@ -112,7 +113,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Top-level keys of our manager that our tiers honour under vLLM's (the rest refused).
-        defaults = tier_defaults(extra)
+        defaults = check_manager_keys(extra)
         if failed_load_backoff_s is None:
             failed_load_backoff_s = defaults.get(
                 "failed_load_backoff_s", DEFAULT_FAILED_LOAD_BACKOFF_S
