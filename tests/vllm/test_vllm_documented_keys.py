@@ -96,9 +96,13 @@ def check_cache_policy_module_path(engine: Callable[..., Any]) -> None:
 
 
 def check_cascade_admission(engine: Callable[..., Any]) -> None:
-    engine({"cascade_admission": "all"})  # what vLLM's manager does
+    """Applied by our tiers (what it does there: tests/vllm/test_vllm_admission.py)."""
+    assert tier_of(engine({"cascade_admission": "all"}))._admission is None
+    assert tier_of(engine({"cascade_admission": "reuse"}))._admission is not None
     with pytest.raises(ConfigError, match="cascade_admission 'reuse' has no effect"):
-        spec({"cascade_admission": "reuse"})
+        spec({"cascade_admission": "reuse"})  # no tier of ours to apply it
+    with pytest.raises(ConfigError, match="cascade_admission"):
+        spec({"cascade_admission": "no-such-policy"})
 
 
 def check_secondary_tiers(engine: Callable[..., Any]) -> None:
@@ -191,7 +195,7 @@ def test_our_manager_keys_are_refused_under_vllms_own_spec_too(engine: Callable[
         [ours("KVTieringMemoryTier", capacity_blocks=8)],
         block_bytes=BLOCK,
         num_chunks=16,
-        extra_config={"cascade_admission": "reuse"},
+        extra_config={"backfill_earlier_tiers": True},
     )
-    with pytest.raises(ConfigError, match="cascade_admission 'reuse' has no effect"):
+    with pytest.raises(ConfigError, match="backfill_earlier_tiers true has no effect"):
         build_manager(config)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -317,3 +318,37 @@ def test_a_second_engine_gets_the_firsts_prefixes_and_another_model_gets_none(
     assert other["by_name"]["A1"]["num_cached_tokens"] == 0
     assert other["by_name"]["A1"]["token_ids"] == hybrid_baseline["by_name"]["A1"]["token_ids"]
     assert metric(other, "vllm:kv_offload_tiering_chunk_hits", OUR_TIER_LABEL) == 0
+
+
+# -- cascade admission inside the engine ----------------------------------------------------------
+
+
+def test_reuse_admission_writes_only_reused_prompts_to_the_fs_tier(
+    workdir: Path, model: str, baseline: dict[str, Any], ours_fs: dict[str, Any]
+) -> None:
+    """``cascade_admission: "reuse"``: A is asked twice (its second request reuses it in the
+    CPU tier), each filler once; only A reaches the disk, and A3 is served from there."""
+    tier = {"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(workdir / "r")}
+    config = offload_config(model, [tier], cascade_admission="reuse")
+    schedule = [["A1", 0, PROMPT_WORDS, 16], ["A2", 0, PROMPT_WORDS, 16]]
+    schedule += [[f"F{i}", i, PROMPT_WORDS, 16] for i in range(1, 5)]
+    schedule.append(["A3", 0, PROMPT_WORDS, 16])
+    run = run_engine(workdir, "admission", model, config, schedule)
+    expected = {"A3": baseline["by_name"]["A2"], **baseline["by_name"]}
+    for name, record in run["by_name"].items():
+        assert record["token_ids"] == expected[name]["token_ids"], f"{name} changed its tokens"
+    full_blocks = (PROMPT_WORDS // BLOCK_SIZE) * BLOCK_SIZE
+    assert run["by_name"]["A3"]["num_cached_tokens"] >= full_blocks - BLOCK_SIZE
+    assert metric(run, "vllm:kv_offload_tiering_read_bytes", OUR_TIER_LABEL) > 0  # from disk
+    # One prompt of five reached the disk; without admission (ours_fs) all five did. (vLLM's
+    # write_bytes counts the blocks offered to a tier, not those it wrote: our tier says.)
+    stored, stored_without = blocks_stored(run), blocks_stored(ours_fs)
+    assert 0 < stored * 3 < stored_without, (stored, stored_without)
+    assert stored <= PROMPT_WORDS // BLOCK_SIZE + 1  # A's blocks, nothing else
+
+
+def blocks_stored(run: dict[str, Any]) -> int:
+    """What our tier wrote, from the line it logs when vLLM shuts it down."""
+    found = re.findall(r"kv-tiering tier '\w+' shut down: (\d+) blocks stored", run["log"])
+    assert len(found) == 1, "the engine did not shut our tier down"
+    return int(found[0])

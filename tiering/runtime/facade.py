@@ -311,6 +311,14 @@ class AsyncTierManager(SecondaryTierManager):
             return False
         return self._lookup_shared(key)
 
+    def holds(self, key: OffloadKey) -> bool:
+        """True if the tier holds ``key`` or a store of it is in flight (no side effects).
+
+        Unlike :meth:`lookup` it never starts a check of a shared tier: a key
+        another process stored answers False until a lookup has found it.
+        """
+        return key in self._present or key in self._storing
+
     def lookup_state(self, key: OffloadKey) -> Presence:
         """Like :meth:`lookup`, telling apart the two reasons for None.
 

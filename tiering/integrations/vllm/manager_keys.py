@@ -11,9 +11,12 @@ the spec (or, under vLLM's own spec, our first tier) is built:
 ``failed_promotion_backoff_s``  honoured: the default ``failed_load_backoff_s`` of
                                 each of our tiers (MISS for a block whose promotion
                                 failed, for this long)
-``cascade_admission``           ``"all"`` is what vLLM does; any other policy is
-                                refused: vLLM's manager cascades every stored block
-                                to every tier
+``cascade_admission``           honoured by each of our tiers: it copies only the
+                                blocks the policy admits of those vLLM's manager
+                                offers it (:mod:`~tiering.integrations.vllm.admission`);
+                                a policy other than ``"all"`` with none of our tiers
+                                in ``secondary_tiers`` is refused (vLLM's own tiers
+                                take every block)
 ``backfill_earlier_tiers``      ``false`` is what vLLM does; ``true`` is refused:
                                 vLLM's manager does not copy a promoted block into
                                 the tiers that missed it
@@ -21,6 +24,7 @@ the spec (or, under vLLM's own spec, our first tier) is built:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,11 +45,14 @@ def check_manager_keys(extra: Mapping[str, Any]) -> dict[str, float]:
 
     Returns the options our tiers take from the top-level keys (validated).
     """
-    if _cascade_admission(extra) is not None:
+    if _cascade_admission(extra) is not None and not any(
+        _is_our_tier(entry) for entry in extra.get("secondary_tiers") or ()
+    ):
         raise ConfigError(
             f"cascade_admission {extra['cascade_admission']!r} has no effect: {_UNDER_VLLM}, "
-            "which cascades every stored block to every secondary tier; remove the key (or "
-            "use 'all')"
+            "which cascades every stored block to every tier it built, and only kv-tiering's "
+            "tiers (module_path 'tiering.integrations.vllm') apply the policy; there is none "
+            "in secondary_tiers. Remove the key (or use 'all'), or add one of ours"
         )
     if _flag(extra, "backfill_earlier_tiers", False):
         raise ConfigError(
@@ -57,3 +64,19 @@ def check_manager_keys(extra: Mapping[str, Any]) -> dict[str, float]:
         for key, option in TIER_DEFAULTS.items()
         if extra.get(key) is not None
     }
+
+
+def _is_our_tier(entry: object) -> bool:
+    """Whether a ``secondary_tiers`` entry names one of our tier classes (or a subclass)."""
+    if not isinstance(entry, Mapping):
+        return False
+    module_path, type_name = entry.get("module_path"), entry.get("type")
+    if not isinstance(module_path, str) or not isinstance(type_name, str):
+        return False  # a type vLLM registers itself: not ours
+    from tiering.integrations.vllm.tiers import KVTieringTier
+
+    try:
+        tier_class = getattr(importlib.import_module(module_path), type_name, None)
+    except ImportError:
+        return False  # vLLM's factory reports it when it builds the tier
+    return isinstance(tier_class, type) and issubclass(tier_class, KVTieringTier)

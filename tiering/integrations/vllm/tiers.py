@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     Medium,
     OffloadingEvent,
+    OffloadPolicy,
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
@@ -32,6 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tiering.config import pinned_fraction
 from tiering.errors import ConfigError, TierClosedError
 from tiering.integrations.vllm import translate
+from tiering.integrations.vllm.admission import OfferAdmission, admission_policy
 from tiering.integrations.vllm.backpressure import PinnedShareDetector
 from tiering.integrations.vllm.manager_keys import check_manager_keys
 from tiering.keys import OffloadKey
@@ -105,8 +107,8 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         # Back-pressure on by default: our rule unless the operator configured vLLM's.
         self._in_flight = JobsInFlight()
         self._pinned_share: PinnedShareDetector | None = None
+        num_chunks = int(getattr(offloading_spec, "num_chunks", 0) or 0)
         if backpressure_detector is None:
-            num_chunks = int(getattr(offloading_spec, "num_chunks", 0) or 0)
             budget = int(num_chunks * pinned_fraction(extra))
             backpressure_detector = self._pinned_share = PinnedShareDetector(
                 self._in_flight, budget
@@ -114,6 +116,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         # Top-level keys of our manager that our tiers honour under vLLM's (the rest refused).
         defaults = check_manager_keys(extra)
+        admission = admission_policy(extra, num_chunks)  # checked before any thread starts
         if failed_load_backoff_s is None:
             failed_load_backoff_s = defaults.get(
                 "failed_load_backoff_s", DEFAULT_FAILED_LOAD_BACKOFF_S
@@ -153,6 +156,9 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             position=position,
             layout_fingerprint=translate.layout_fingerprint(offloading_spec, block_bytes),
         )
+        self._admission: OfferAdmission | None = None
+        if admission is not None:
+            self._admission = OfferAdmission(admission, self._runtime.holds)
         self._loads: set[int] = set()  # job ids of the promotions in flight
         self._hash_seed_checked = False
         self._shut_down = False
@@ -197,8 +203,12 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
     # -- per request and per step --------------------------------------------------------
 
     def on_new_request(self, req_context: Any) -> Any:
-        """Chunk-level offloading (vLLM's default); converts the request's context once."""
+        """Converts the request's context once; asks for request-level offloading when an
+        admission policy needs to see reuse (:mod:`tiering.integrations.vllm.admission`),
+        chunk-level (vLLM's default) otherwise."""
         translate.request_context(req_context)
+        if self._admission is not None:
+            return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: Any) -> None:
@@ -218,13 +228,20 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         return translate.lookup_result(answer)
 
     def submit_store(self, job_metadata: Any) -> None:
-        """Cascade: copy the job's primary chunks into the tier (keys it holds are skipped)."""
+        """Cascade: copy the job's primary chunks into the tier (keys it holds are skipped).
+
+        With ``cascade_admission``, only the chunks the policy admits are
+        copied; the job's result still covers (and unpins) them all.
+        """
         if not self._hash_seed_checked:
             self._hash_seed_checked = True  # vLLM resolves its hash seed after building tiers
             _warn_if_keys_are_per_process(self.tier_type, self.medium)
         job = translate.job_metadata(job_metadata, is_promotion=False)
+        pinned = len(job.keys)  # vLLM pins every offered chunk until the result
+        if self._admission is not None:
+            job = self._admission.admit(job)
         self._runtime.submit_store(job)
-        self._in_flight.started(job.job_id, len(job.keys), time.monotonic())
+        self._in_flight.started(job.job_id, pinned, time.monotonic())
 
     def submit_load(self, job_metadata: Any) -> None:
         """Promotion: copy the keys' blocks into the job's primary chunks."""
@@ -295,6 +312,22 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         self._shut_down = True
         self._metrics.close()
         self._runtime.shutdown()
+        stats = self._runtime.stats()
+        refused = (
+            ""
+            if self._admission is None
+            else (
+                f", {self._admission.refused} of {self._admission.offered} offered blocks "
+                "refused by cascade_admission"
+            )
+        )
+        logger.info(
+            "kv-tiering tier %r shut down: %d blocks stored, %d loaded%s",
+            self.tier_type,
+            stats.blocks_stored,
+            stats.blocks_loaded,
+            refused,
+        )
 
     # -- introspection ----------------------------------------------------------------------
 
