@@ -28,7 +28,7 @@ import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from tiering.errors import ConfigError
 from tiering.host_buffer import HostBuffer
@@ -39,13 +39,10 @@ from tiering.isolation.wakeup import WakeSender
 from tiering.jobs import JobResult, SecondaryTierManager
 from tiering.keys import OffloadKey, ReqContext
 from tiering.runtime.affinity import check_cpus
-from tiering.runtime.facade import (
-    DEFAULT_MAX_GIL_HOLD_MS,
-    AsyncTierManager,
-    Presence,
-    check_runtime_options,
-)
+from tiering.runtime.facade import AsyncTierManager
 from tiering.runtime.gil_handoff import hold_seconds
+from tiering.runtime.options import RuntimeOptions, resolved_options
+from tiering.runtime.scheduler_side import Presence
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters
 from tiering.runtime.young_gc import CollectorThread
@@ -90,22 +87,8 @@ class IsolatedTierManager(AsyncTierManager):
         primary: HostBuffer,
         tier_type: str,
         *,
-        name: str | None = None,
-        layout_fingerprint: str = "",
-        job_timeout_s: float = 30.0,
-        open_timeout_s: float = 30.0,
-        shutdown_timeout_s: float = 10.0,
-        cancel_grace_s: float = 1.0,
-        shared_absent_ttl_s: float = 5.0,
-        shared_present_ttl_s: float = 60.0,
-        shared_max_known_keys: int = 1_000_000,
-        max_events: int = 100_000,
-        verify: bool | None = None,
-        failed_load_backoff_s: float = 0.0,
-        cpus: Collection[int] | str | None = None,
-        max_gil_hold_ms: float | None = DEFAULT_MAX_GIL_HOLD_MS,
         ring_bytes: int = RING_BYTES,
-        gc_handoff: bool = True,
+        **options: Unpack[RuntimeOptions],
     ) -> None:
         if not callable(tier_factory):
             raise TypeError(f"tier_factory must be callable, not {type(tier_factory).__name__}")
@@ -116,26 +99,19 @@ class IsolatedTierManager(AsyncTierManager):
                 "an isolated tier needs the primary buffer in named shared memory "
                 "(HostBuffer.create(..., shared_name=...)); this one is anonymous"
             )
+        opts = resolved_options(options)
         SecondaryTierManager.__init__(self, primary.view, tier_type)
-        check_runtime_options(
-            job_timeout_s=job_timeout_s,
-            open_timeout_s=open_timeout_s,
-            shutdown_timeout_s=shutdown_timeout_s,
-            cancel_grace_s=cancel_grace_s,
-            shared_absent_ttl_s=shared_absent_ttl_s,
-            shared_present_ttl_s=shared_present_ttl_s,
-            shared_max_known_keys=shared_max_known_keys,
-            max_events=max_events,
-            verify=verify,
-            failed_load_backoff_s=failed_load_backoff_s,
-            max_gil_hold_ms=max_gil_hold_ms,
-            gc_handoff=gc_handoff,
-        )
-        self.cpus = check_cpus(cpus)
-        self.name = name or tier_type
+        self.cpus = check_cpus(opts["cpus"])
+        self.name = opts["name"] or tier_type
         self._init_scheduler_side(
-            primary.view, None, job_timeout_s, shutdown_timeout_s, failed_load_backoff_s
+            primary.view,
+            None,
+            opts["job_timeout_s"],
+            opts["shutdown_timeout_s"],
+            opts["failed_load_backoff_s"],
         )
+        max_events = opts["max_events"]
+        open_timeout_s = float(opts["open_timeout_s"])
         self._max_events = max_events
         self._events_dropped_here = 0
         self._jobs_failed_here = 0  # failed by this process: the tier's process had died
@@ -161,17 +137,17 @@ class IsolatedTierManager(AsyncTierManager):
             jobs_ring=self._jobs_ring.name,
             results_ring=self._results_ring.name,
             ring_bytes=ring_bytes,
-            layout_fingerprint=layout_fingerprint,
+            layout_fingerprint=opts["layout_fingerprint"],
             job_timeout_s=self.job_timeout_s,
-            open_timeout_s=float(open_timeout_s),
-            cancel_grace_s=float(cancel_grace_s),
-            shared_absent_ttl_s=float(shared_absent_ttl_s),
-            shared_present_ttl_s=float(shared_present_ttl_s),
-            shared_max_known_keys=shared_max_known_keys,
+            open_timeout_s=open_timeout_s,
+            cancel_grace_s=float(opts["cancel_grace_s"]),
+            shared_absent_ttl_s=float(opts["shared_absent_ttl_s"]),
+            shared_present_ttl_s=float(opts["shared_present_ttl_s"]),
+            shared_max_known_keys=opts["shared_max_known_keys"],
             max_events=max_events,
-            verify=verify,
+            verify=opts["verify"],
             cpus=self.cpus,
-            max_gil_hold_s=hold_seconds(max_gil_hold_ms),
+            max_gil_hold_s=hold_seconds(opts["max_gil_hold_ms"]),
         )
         self._process = context.Process(
             target=serve,
@@ -188,7 +164,7 @@ class IsolatedTierManager(AsyncTierManager):
             wake_reader.close()
             self._wake_conn = wake_writer
             self._wake = WakeSender(self._jobs_ring.word(WAKE_WORD), wake_writer.fileno())
-            answer = self._await_start(float(open_timeout_s) + SPAWN_ALLOWANCE_S)
+            answer = self._await_start(open_timeout_s + SPAWN_ALLOWANCE_S)
         except BaseException:
             self._closed = True
             if started:  # start() fails before spawning when the spec does not pickle
@@ -201,7 +177,7 @@ class IsolatedTierManager(AsyncTierManager):
             self._results_ring.unlink()
         shared, self._touch_supported, self._capacity, self._tier_class = answer
         self._collector: CollectorThread | None = None
-        if gc_handoff:  # no loop thread here: the results it unpickles still allocate
+        if opts["gc_handoff"]:  # no loop thread here: the results it unpickles still allocate
             # Not on ``cpus``: there the tier's busy process preempts it mid-collection,
             # GIL held, and a scheduler back from the GPU waits out that time slice
             # (docs/runtime.md, "Garbage collections"). Where it is started (the
@@ -214,8 +190,8 @@ class IsolatedTierManager(AsyncTierManager):
             mirror.unsettled,
             mirror.absent_at,
             shared=shared,
-            shared_absent_ttl_s=shared_absent_ttl_s,
-            shared_present_ttl_s=shared_present_ttl_s,
+            shared_absent_ttl_s=opts["shared_absent_ttl_s"],
+            shared_present_ttl_s=opts["shared_present_ttl_s"],
         )
 
     def _await_start(self, timeout_s: float) -> tuple[bool, bool, int | None, str]:
