@@ -15,32 +15,47 @@ Users write the same dict they would give vLLM's own tiering spec::
 module never imports vLLM) and ``block_size`` into the bytes of one offloaded
 block and the number of primary blocks. Tier-specific keys are checked by the
 tier registry when the tier is built.
+
+This module owns the config's shape: the keys it knows (:data:`KNOWN_KEYS`, with a
+warning for a likely misspelling), the immutable :class:`TieringConfig` assembled
+from them, and :class:`BlockGeometry`. What each key accepts and defaults to is
+checked in :mod:`tiering.config_checks`; whether the host can give the memory asked
+for, in :mod:`tiering.host_memory`. Both are importable from here too.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
-import math
-import os
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
+from tiering.config_checks import (
+    DEFAULT_CASCADE_MAX_PINNED_FRACTION,
+    DEFAULT_EVICTION_POLICY,
+    DEFAULT_FAILED_PROMOTION_BACKOFF_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    _cascade_admission,
+    _cpu_bytes,
+    _eviction_policy,
+    _flag,
+    _metrics_host,
+    _metrics_port,
+    _not_int,
+    _optional_block_size,
+    _secondary_tiers,
+    _seconds,
+    _store_threshold,
+    pinned_fraction,
+)
 from tiering.errors import ConfigError
-from tiering.policies import PolicyChoice, resolve_admission, resolve_policy
+from tiering.host_buffer import SHM_DIR
+from tiering.host_memory import HostMemory, check_host_memory, host_memory
+from tiering.policies import PolicyChoice, resolve_policy
+from tiering.quoting import shown
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_EVICTION_POLICY = "lru"
-#: Where POSIX shared memory lives (a tmpfs with its own size limit).
-SHM_DIR = "/dev/shm"
-DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
-DEFAULT_FAILED_PROMOTION_BACKOFF_S = 10.0
-#: Back-pressure: the share of the primary tier one secondary tier's cascades may pin.
-DEFAULT_CASCADE_MAX_PINNED_FRACTION = 0.25
 
 #: Keys this package reads. Other keys belong to the engine (vLLM puts e.g.
 #: ``spec_name`` and ``spec_module_path`` in the same dict) and are ignored,
@@ -206,324 +221,6 @@ class BlockGeometry:
         return count
 
 
-# -- the host's memory ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class HostMemory:
-    """Memory this process can still take: ``available_bytes`` of ``total_bytes``,
-    ``source`` saying where the figure comes from (for messages)."""
-
-    available_bytes: int
-    total_bytes: int
-    source: str
-
-
-def host_memory() -> HostMemory | None:
-    """What this machine (or its cgroup, if that is tighter) has available; None if unknown.
-
-    Linux's ``MemAvailable`` counts free memory plus what the kernel can reclaim
-    (page cache), which is what a new buffer can be given without swapping; a
-    container's ``memory.max`` (cgroup v2) caps it further.
-    """
-    meminfo = _read_meminfo()
-    if meminfo is None:
-        return None
-    available, total = meminfo
-    memory = HostMemory(available, total, "MemAvailable in /proc/meminfo")
-    limit = _cgroup_limit()
-    if limit is not None:
-        cgroup_max, cgroup_used = limit
-        if cgroup_max - cgroup_used < memory.available_bytes:
-            memory = HostMemory(
-                max(0, cgroup_max - cgroup_used), cgroup_max, "this container's cgroup memory.max"
-            )
-    return memory
-
-
-def _read_meminfo() -> tuple[int, int] | None:
-    fields: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                name, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():
-                    fields[name] = int(parts[0]) * 1024  # the file says kB, meaning KiB
-    except (OSError, ValueError):
-        return None
-    if "MemAvailable" not in fields or "MemTotal" not in fields:
-        return None
-    return fields["MemAvailable"], fields["MemTotal"]
-
-
-def _cgroup_limit() -> tuple[int, int] | None:
-    try:
-        with open("/proc/self/cgroup", encoding="ascii") as cgroup:
-            relative = next((line.strip()[3:] for line in cgroup if line.startswith("0::")), None)
-        if relative is None:
-            return None
-        base = "/sys/fs/cgroup" + relative.rstrip("/")
-        with open(base + "/memory.max", encoding="ascii") as limit_file:
-            limit = limit_file.read().strip()
-        if limit == "max":
-            return None
-        with open(base + "/memory.current", encoding="ascii") as current_file:
-            current = int(current_file.read().strip())
-        return int(limit), current
-    except (OSError, ValueError):
-        return None
-
-
-def check_host_memory(
-    key: str,
-    asked_bytes: int,
-    memory: HostMemory | None = None,
-    *,
-    shared: bool = False,
-    shm_free_bytes: int | None = None,
-) -> None:
-    """Raise :class:`ConfigError` naming ``key`` if ``asked_bytes`` is more than the host has
-    available, before anything is allocated (an allocation that size would fail with ENOMEM
-    after a traceback, or get the process killed later).
-
-    With ``shared`` the buffer is a POSIX shared-memory object, which must also fit in
-    ``/dev/shm`` (a container's is often 64 MiB unless ``--shm-size`` says otherwise).
-    ``memory`` and ``shm_free_bytes`` override what the machine says (for tests).
-    """
-    from tiering.units import format_bytes
-
-    memory = memory if memory is not None else host_memory()
-    if memory is not None and asked_bytes > memory.available_bytes:
-        raise ConfigError(
-            f"{key}={format_bytes(asked_bytes)} ({asked_bytes} bytes) is more memory than this "
-            f"machine has available: {format_bytes(memory.available_bytes)} available of "
-            f"{format_bytes(memory.total_bytes)} ({memory.source}); lower {key} to fit "
-            "(the CPU primary tier allocates all of it up front)"
-        )
-    if not shared:
-        return
-    if shm_free_bytes is None:
-        try:
-            shm = os.statvfs(SHM_DIR)
-        except OSError:
-            return
-        shm_free_bytes = shm.f_bavail * shm.f_frsize
-    if asked_bytes > shm_free_bytes:
-        raise ConfigError(
-            f"{key}={format_bytes(asked_bytes)} ({asked_bytes} bytes) does not fit in "
-            f"{SHM_DIR}, where the primary buffer is shared with the engine's workers: "
-            f"{format_bytes(shm_free_bytes)} free there; enlarge it (docker run --shm-size, "
-            f"a Kubernetes emptyDir with medium: Memory) or lower {key}"
-        )
-
-
-# -- value checks ---------------------------------------------------------------------------
-
-
-class _ShortRepr(reprlib.Repr):
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 3 * _SHOWN_INT_DIGITS:  # past Python's digit limit repr() raises
-            return f"<an integer of about {int(x.bit_length() * 0.30103)} digits>"
-        return super().repr_int(x, level)
-
-
-_SHOWN_INT_DIGITS = 1000
-_SHOWN = _ShortRepr()
-_SHOWN.maxlevel = 3
-_SHOWN.maxstring = 60
-_SHOWN.maxother = 80
-_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
-_SHOWN.maxlong = 40
-
-
-def shown(value: object) -> str:
-    """``repr(value)`` cut to a readable length, for error messages.
-
-    A config value can be huge (a long string, or a YAML structure that aliases
-    expand): messages show its start, never the whole thing.
-    """
-    return _SHOWN.repr(value)
-
-
-def _not_int(value: object) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
-
-
-def _get(extra: Mapping[str, Any], key: str, default: Any) -> Any:
-    """``extra[key]``, with an absent key or a JSON ``null`` meaning the default."""
-    value = extra.get(key)
-    return default if value is None else value
-
-
-def _integral(value: object) -> int | None:
-    """``value`` as an int if it is an int or an integral float (JSON's 1e10), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _positive_int(extra: Mapping[str, Any], key: str, accepted: str) -> int:
-    value = extra[key]
-    number = _integral(value)
-    if number is None or number <= 0:
-        raise ConfigError(f"{key} must be {accepted}, got {shown(value)}")
-    return number
-
-
-def _cpu_bytes(extra: Mapping[str, Any]) -> int:
-    from tiering.units import config_bytes  # tiering.units quotes values with shown()
-
-    value = extra["cpu_bytes_to_use"]
-    try:
-        number = config_bytes("cpu_bytes_to_use", value)
-    except ConfigError as exc:
-        if "larger than any machine" in str(exc):
-            raise
-        number = 0
-    if number <= 0:
-        raise ConfigError(
-            "cpu_bytes_to_use must be a positive integer number of bytes or a size with a "
-            f"unit (e.g. 10737418240 or '10GiB'), got {shown(value)}"
-        )
-    return number
-
-
-def _optional_block_size(extra: Mapping[str, Any]) -> int | None:
-    if extra.get("block_size") is None:
-        return None
-    return _positive_int(
-        extra, "block_size", "a positive integer number of tokens per offloaded block"
-    )
-
-
-def _eviction_policy(extra: Mapping[str, Any]) -> PolicyChoice:
-    """A built-in name, ``pkg.mod:Class``, an entry point, or vLLM's class + module spelling."""
-    value = _get(extra, "eviction_policy", DEFAULT_EVICTION_POLICY)
-    module_path = _get(extra, "cache_policy_module_path", None)
-    return resolve_policy(value, module_path=module_path)
-
-
-def _cascade_admission(extra: Mapping[str, Any]) -> PolicyChoice | None:
-    """None (cascade everything, no per-block work) unless a policy other than "all" is named."""
-    value = _get(extra, "cascade_admission", None)
-    if value is None:
-        return None
-    choice = resolve_admission(value)
-    return None if choice.label == "all" else choice
-
-
-def _secondary_tiers(extra: Mapping[str, Any]) -> tuple[Mapping[str, Any], ...]:
-    value = extra.get("secondary_tiers")
-    if value is None:
-        return ()
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
-        raise ConfigError(
-            'secondary_tiers must be a list of tier configurations like [{"type": "memory"}], '
-            f"got {type(value).__name__}"
-        )
-    tiers: list[Mapping[str, Any]] = []
-    for position, entry in enumerate(value):
-        if not isinstance(entry, Mapping):
-            raise ConfigError(
-                f"secondary_tiers[{position}] must be a mapping with a 'type' key, "
-                f"got {type(entry).__name__}"
-            )
-        tier_type = entry.get("type")
-        if not isinstance(tier_type, str) or not tier_type.strip():
-            raise ConfigError(
-                f"secondary_tiers[{position}].type is required: a non-empty string naming a "
-                f"registered tier type or 'package.module:Class', got {shown(tier_type)}"
-            )
-        bad_keys = [k for k in entry if not isinstance(k, str)]
-        if bad_keys:
-            raise ConfigError(
-                f"secondary_tiers[{position}] ({tier_type}): keys must be strings, "
-                f"got {shown(bad_keys[0])}"
-            )
-        tiers.append(MappingProxyType(dict(entry)))
-    return tuple(tiers)
-
-
-def _store_threshold(extra: Mapping[str, Any]) -> int:
-    value = _get(extra, "store_threshold", 0)
-    number = _integral(value)
-    if number is None or number < 0:
-        raise ConfigError(
-            f"store_threshold must be 0 or 1 (store on first offload), got {shown(value)}"
-        )
-    if number >= 2:
-        raise ConfigError(
-            f"store_threshold={number} is not supported by the tiering spec: blocks are "
-            "offloaded on first eviction; use 0 or 1, or leave store_threshold out"
-        )
-    return number
-
-
-def _seconds(extra: Mapping[str, Any], key: str, default: float, *, positive: bool) -> float:
-    value = _get(extra, key, default)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
-        kind = "a positive" if positive else "a non-negative"
-        raise ConfigError(f"{key} must be {kind} finite number of seconds, got {shown(value)}")
-    return float(value)
-
-
-def pinned_fraction(extra: Mapping[str, Any]) -> float:
-    """``cascade_max_pinned_fraction``: a number in (0, 1] (raises naming the key)."""
-    key = "cascade_max_pinned_fraction"
-    value = _get(extra, key, DEFAULT_CASCADE_MAX_PINNED_FRACTION)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 < value <= 1
-    ):
-        raise ConfigError(
-            f"{key} must be a number in (0, 1] (the share of the CPU primary tier one "
-            f"secondary tier's cascades in flight may pin), got {shown(value)}"
-        )
-    return float(value)
-
-
-def _metrics_port(extra: Mapping[str, Any]) -> int | None:
-    value = _get(extra, "metrics_port", None)
-    if value is None:
-        return None
-    from tiering.metrics_server import check_metrics_port
-
-    return check_metrics_port(value)
-
-
-def _metrics_host(extra: Mapping[str, Any]) -> str:
-    value = _get(extra, "metrics_host", None)
-    if value is None:
-        return "0.0.0.0"
-    if not isinstance(value, str) or not value:
-        raise ConfigError(
-            f"metrics_host must be a host name or address to listen on, got {value!r}"
-        )
-    if extra.get("metrics_port") is None:
-        raise ConfigError("metrics_host is set but metrics_port is not: give the port too")
-    return value
-
-
-def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = _get(extra, key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {shown(value)}")
-    return value
-
-
 def _warn_about_likely_typos(extra: Mapping[str, Any]) -> None:
     for key in extra:
         if not isinstance(key, str) or key in KNOWN_KEYS:
@@ -535,3 +232,26 @@ def _warn_about_likely_typos(extra: Mapping[str, Any]) -> None:
                 shown(key),
                 close[0],
             )
+
+
+__all__ = [
+    "BlockGeometry",
+    "KNOWN_KEYS",
+    "TieringConfig",
+    # defined in tiering.config_checks, tiering.host_memory, tiering.host_buffer and
+    # tiering.quoting, and importable from here as they were before the split
+    "DEFAULT_CASCADE_MAX_PINNED_FRACTION",
+    "DEFAULT_EVICTION_POLICY",
+    "DEFAULT_FAILED_PROMOTION_BACKOFF_S",
+    "DEFAULT_SHUTDOWN_TIMEOUT_S",
+    "SHM_DIR",
+    "HostMemory",
+    "check_host_memory",
+    "host_memory",
+    "pinned_fraction",
+    "shown",
+    # the readers the vLLM adapter reuses (tiering/integrations/vllm/)
+    "_cascade_admission",
+    "_flag",
+    "_seconds",
+]

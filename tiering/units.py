@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from tiering.errors import ConfigError
+from tiering.quoting import shown
 
 _UNITS = {
     "": 1, "b": 1,
@@ -67,8 +68,8 @@ def parse_size(text: str) -> int:
     """Bytes from ``"32768"``, ``"32KiB"``, ``"1.5GB"`` (raises ``ValueError``)."""
     match = _SIZE_RE.match(text) if len(text) <= _MAX_SIZE_TEXT else None
     if not match or match.group(2).lower() not in _UNITS:
-        shown = text if len(text) <= _MAX_SIZE_TEXT else text[:_MAX_SIZE_TEXT] + "..."
-        raise ValueError(f"not a size: {shown!r} (use bytes or a unit like 64KiB, 2GiB, 500MB)")
+        quoted = text if len(text) <= _MAX_SIZE_TEXT else text[:_MAX_SIZE_TEXT] + "..."
+        raise ValueError(f"not a size: {quoted!r} (use bytes or a unit like 64KiB, 2GiB, 500MB)")
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not math.isfinite(value) or value > MAX_BYTES:
         raise ValueError(f"not a size: {text!r} is larger than any machine's memory or disk")
@@ -78,8 +79,6 @@ def parse_size(text: str) -> int:
 def config_bytes(key: str, value: object) -> int:
     """A byte size from a config value: an int, an integral float (JSON's ``1e9``) or a string
     with a unit. Raises :class:`~tiering.errors.ConfigError` naming ``key``."""
-    from tiering.config import shown  # the same value cutting as every config message
-
     if isinstance(value, bool):
         raise ConfigError(f"{key} must be {SIZE_HINT}, got {value!r}")
     number: int | None = None
