@@ -19,7 +19,7 @@ from tiering.replay.offline import (
 )
 from tiering.replay.trace import Request, read_trace, trace_footprint
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+SHARED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def _req(*ids: int, tokens: int | None = None) -> Request:
@@ -40,7 +40,6 @@ def test_unlimited_counts_leading_seen_blocks_weighted_by_tokens() -> None:
     assert hits.total_blocks == 12
 
 
-@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason=f"{SHARED_TRACE} is not present")
 def test_the_shared_trace_reuses_about_65_percent_of_tokens() -> None:
     assert unlimited_hit_rate(read_trace(SHARED_TRACE)).token_hit_rate == pytest.approx(
         0.6512, abs=0.0005

@@ -16,7 +16,7 @@ from tiering.replay.stack import build_stack
 from tiering.replay.synthetic import SyntheticWorkload
 from tiering.replay.trace import Request, read_trace, trace_footprint
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+SHARED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 BLOCK = 4096
 
 
@@ -68,7 +68,6 @@ def test_unlimited_capacity_matches_the_offline_hit_rate_through_promotions() ->
     assert totals.promotion_timeouts == totals.lost_before_load == 0
 
 
-@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason=f"{SHARED_TRACE} is not present")
 def test_the_shared_trace_at_unlimited_capacity_hits_65_percent_like_the_offline_count() -> None:
     requests = read_trace(SHARED_TRACE)
     footprint = trace_footprint(requests)

@@ -12,7 +12,7 @@ import pytest
 from tiering.errors import TieringError
 from tiering.replay.trace import Request, TraceError, iter_trace, read_trace, write_trace
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+SHARED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 def _write(tmp_path: Path, lines: list[str], name: str = "t.jsonl") -> Path:
@@ -120,7 +120,6 @@ def test_write_then_read_round_trips(tmp_path: Path) -> None:
     assert read_trace(path) == requests
 
 
-@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason=f"{SHARED_TRACE} is not present")
 def test_reads_the_shared_mooncake_trace() -> None:
     requests = read_trace(SHARED_TRACE)
     assert len(requests) == 3993

@@ -17,7 +17,7 @@ a directory written with another block size is refused.
 ``listdir``, ``remove``, ``replace``): one thread hop per call is nothing next
 to what the call does. Block data does not: ``aiofiles`` costs a thread hop
 per call (open, write, flush, close: four hops a block; measured at about
-0.2 GB/s at 64 KiB blocks, ``../shared/bench/limits.md``), and a cancelled
+0.2 GB/s at 64 KiB blocks, ``docs/machine-ceilings.md``), and a cancelled
 ``aiofiles`` read leaves its thread filling the buffer after the coroutine
 ended, which the tier contract forbids (the buffer is a primary-tier row that
 may already hold another block). Each block is therefore read or written in
