@@ -1,5 +1,11 @@
 """The replay report: one JSON-able dict built from the replay's own counts and the
 manager's statistics, and its rendering as rich tables.
+
+This module owns the report's data: :func:`build_report` (what ``--json`` prints:
+hit rates by place, blocks moved, per-tier figures, latencies, failures,
+verification and where the wall time went). :func:`render_report` prints that
+dict: the tables are laid out in :mod:`tiering.replay.report_tables`, the heading
+and the verdicts around them in :mod:`tiering.replay.report_verdicts`.
 """
 
 from __future__ import annotations
@@ -7,10 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rich.console import Console, Group
-from rich.panel import Panel
-from rich.table import Table
-from rich.text import Text
+from rich.console import Console
 
 from tiering.replay.metrics import LatencySamples
 from tiering.replay.offline import HitRate
@@ -24,7 +27,8 @@ from tiering.replay.replayer import (
     PHASE_TIER,
     ReplayTotals,
 )
-from tiering.replay.units import format_bytes
+from tiering.replay.report_tables import WIDE_CONSOLE, latency_table, tier_tables
+from tiering.replay.report_verdicts import heading, verdicts
 from tiering.runtime.stats import TierStats as RuntimeTierStats
 from tiering.stats import ManagerStats, TierStats
 
@@ -258,264 +262,13 @@ def build_report(
     }
 
 
-# -- rendering ------------------------------------------------------------------------------
-
-
-def _pct(value: float) -> str:
-    return f"{100 * value:.1f}%"
-
-
-def _blocks(count: int | None) -> str:
-    return "unbounded" if count is None else f"{count:,}"
-
-
-def _speed(mb_per_s: float | None) -> str:
-    return "-" if not mb_per_s else f"{mb_per_s:,.0f}"
-
-
-def _ms(seconds_in_ms: float) -> str:
-    return f"{seconds_in_ms:.2f}"
-
-
-#: Narrower consoles get fewer columns (and no byte amounts) instead of cut-off cells.
-WIDE_CONSOLE = 100
-
-
-def _add_columns(table: Table, columns: Sequence[str], text_columns: Sequence[str]) -> None:
-    """Numbers never wrap or get cut; text columns (names) fold when space is short."""
-    for column in columns:
-        if column in text_columns:
-            table.add_column(column, justify="left", overflow="fold")
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
-
-
-def _tier_tables(
-    report: Mapping[str, Any], block_bytes: int, *, wide: bool = True
-) -> tuple[Table, Table]:
-    hit = report["hit_rate"]
-    hits = Table(title="Prefix hits by tier (token-weighted)", title_justify="left")
-    _add_columns(
-        hits, ("tier", "medium", "capacity", "held", "hit rate", "hit blocks"), ("tier", "medium")
-    )
-    moved = Table(
-        title="Blocks moved",
-        title_justify="left",
-        caption="stored: into the tier (GPU->CPU for cpu, cascades for secondary tiers); "
-        "promoted: secondary->CPU; dropped: not stored (a secondary tier behind, "
-        "back-pressure; cpu: offloads refused for lack of room); "
-        "MB/s: per job, while the tier worked on it",
-        caption_justify="left",
-    )
-    _add_columns(
-        moved,
-        ("tier", "stored", "promoted", "evicted", "dropped", "failures", "store MB/s", "load MB/s"),
-        ("tier",),
-    )
-
-    def amount(blocks: int | None) -> str:
-        if blocks is None:
-            return "-"
-        return f"{blocks:,} ({format_bytes(blocks * block_bytes)})" if wide else f"{blocks:,}"
-
-    for tier in report["tiers"]:
-        hits.add_row(
-            tier["name"],
-            tier["medium"],
-            _blocks(tier.get("capacity_blocks")),
-            f"{tier.get('blocks_held', 0):,}",
-            _pct(tier["token_hit_rate"]),
-            f"{tier['hit_blocks']:,}",
-        )
-        moved.add_row(
-            tier["name"],
-            amount(tier.get("stored_blocks")),
-            amount(tier.get("promoted_blocks")),
-            f"{tier.get('evicted_blocks', 0):,}",
-            f"{tier.get('dropped_blocks', 0):,}",
-            str(tier.get("failures", "-")),
-            _speed(tier.get("store_mb_per_s_per_job")),
-            _speed(tier.get("load_mb_per_s_per_job")),
-        )
-    hits.add_section()
-    hits.add_row(
-        "total", "", "", "", Text(_pct(hit["total"]), style="bold"), f"{report['blocks']['hit']:,}"
-    )
-    hits.add_row("unlimited", "offline reference", "unbounded", "", _pct(hit["unlimited"]), "")
-    return hits, moved
-
-
-_OPERATIONS = {
-    "store_gpu_to_cpu": "store GPU->CPU",
-    "load_cpu_to_gpu": "load CPU->GPU",
-    "promotion_wait": "promotion wait",
-    "store_stall": "store stall",
-}
-
-
-_LATENCY_COLUMNS = (
-    "operation",
-    "calls",
-    "blocks",
-    "p50 ms",
-    "p90 ms",
-    "p99 ms",
-    "max ms",
-    "blocks/s",
-    "MB/s",
-)
-#: Left out on a narrow console (p50, p99 and max still bound the distribution).
-_NARROW_DROPS = ("p90 ms", "blocks/s")
-
-
-def _latency_table(report: Mapping[str, Any], *, wide: bool = True) -> Table:
-    table = Table(
-        title="Transfers as the scheduler sees them (per request)",
-        title_justify="left",
-        caption="store = prepare_store + copy + complete_store (per prefill chunk); load = "
-        "prepare_load + byte verification + complete_load; promotion wait = first 'retry "
-        "later' until every promoted block landed; store stall = a refused store waiting for "
-        "in-flight cascades to free primary blocks",
-        caption_justify="left",
-    )
-    columns = [c for c in _LATENCY_COLUMNS if wide or c not in _NARROW_DROPS]
-    for column in columns:
-        if column == "operation":
-            table.add_column(column, justify="left", no_wrap=True, min_width=14)
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
-    for key, label in _OPERATIONS.items():
-        row = report["latency"][key]
-        cells = {
-            "operation": label,
-            "calls": f"{row['count']:,}",
-            "blocks": f"{row['blocks']:,}",
-            "p50 ms": _ms(row["p50_ms"]),
-            "p90 ms": _ms(row["p90_ms"]),
-            "p99 ms": _ms(row["p99_ms"]),
-            "max ms": _ms(row["max_ms"]),
-            "blocks/s": f"{row['blocks_per_s']:,.0f}",
-            "MB/s": f"{row['mb_per_s']:,.0f}",
-        }
-        table.add_row(*(cells[c] for c in columns))
-    return table
-
-
 def render_report(report: Mapping[str, Any], console: Console) -> None:
     """Print the report as rich tables."""
-    trace = report["trace"]
-    setup = report["setup"]
-    hit = report["hit_rate"]
-    block_bytes = int(setup["block_bytes"])
-
-    notes = [
-        Text(
-            f"{trace['name']}: {trace['requests_replayed']:,} of {trace['requests']:,} requests, "
-            f"{report['tokens']['total']:,} prompt tokens, {trace['footprint_blocks']:,} "
-            f"distinct blocks of {trace['block_tokens']} tokens ({format_bytes(block_bytes)} each)",
-            style="bold",
-        ),
-        Text(
-            f"GPU prefix cache {setup['gpu_blocks']:,} blocks; CPU primary "
-            f"{format_bytes(setup['cpu_bytes_to_use'])} ({setup['eviction_policy']}); secondary: "
-            + (", ".join(setup["secondary_summary"]) or "none")
-        ),
-    ]
-    warm = setup.get("warm_start") or {}
-    if warm.get("blocks_held"):
-        notes.append(
-            Text(
-                f"The cache started warm: the secondary tiers held {warm['blocks_held']:,} "
-                f"blocks, {warm['workload_blocks_held']:,} of them this workload's (a persistent "
-                f"root_dir). Total hit rate {_pct(hit['total'])} = "
-                f"{_pct(hit['fraction_of_unlimited'])} of the {_pct(hit['unlimited'])} an "
-                "unlimited cache starting with the same blocks gets on the same requests "
-                f"({_pct(warm['unlimited_from_cold'])} from cold).",
-                style="yellow",
-            )
-        )
-    else:
-        notes.append(
-            Text(
-                f"Total hit rate {_pct(hit['total'])} = {_pct(hit['fraction_of_unlimited'])} of "
-                f"the {_pct(hit['unlimited'])} an unlimited cache gets on the same requests."
-            )
-        )
-    if setup.get("ignored_config_keys"):
-        notes.append(
-            Text(
-                "Ignored config keys (blocks are the trace's): "
-                + ", ".join(setup["ignored_config_keys"]),
-                style="dim",
-            )
-        )
-    if report["interrupted"]:
-        by = f" by {report['stopped_by']}" if report.get("stopped_by") else ""
-        notes.append(
-            Text(
-                f"Interrupted{by}: partial report of the requests replayed so far.",
-                style="bold yellow",
-            )
-        )
-    console.print(Panel(Group(*notes), title="tiering replay", expand=False))
+    console.print(heading(report))
     wide = console.width >= WIDE_CONSOLE
-    hits_table, moved_table = _tier_tables(report, block_bytes, wide=wide)
+    hits_table, moved_table = tier_tables(report, int(report["setup"]["block_bytes"]), wide=wide)
     console.print(hits_table)
     console.print(moved_table)
-    console.print(_latency_table(report, wide=wide))
-
-    overhead = report["overhead"]
-    console.print(
-        Text.assemble(
-            ("Replay overhead: ", "bold"),
-            f"wall {overhead['wall_s']:.2f} s ({overhead['requests_per_s']:,.0f} requests/s, "
-            f"{overhead['blocks_per_s']:,.0f} blocks/s) = simulated GPU side "
-            f"{overhead['gpu_side_s']:.2f} s ({_pct(overhead['gpu_side_fraction'])}) + tier work "
-            f"{overhead['tier_work_s'] + overhead['drain_s']:.2f} s "
-            f"({_pct(overhead['tier_work_fraction'])}; of which promotion waits "
-            f"{overhead['promotion_wait_s']:.2f} s, store stalls "
-            f"{overhead['store_stall_s']:.2f} s, final drain {overhead['drain_s']:.2f} s) + "
-            f"replay bookkeeping {overhead['other_s']:.2f} s.",
-        )
-    )
-    problems = {k: v for k, v in report["failures"].items() if v}
-    if problems:
-        console.print(
-            Text(
-                "Failures: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in problems.items()),
-                style="yellow",
-            )
-        )
-    else:
-        console.print(Text("Failures: none.", style="green"))
-    tier_failures = report.get("tier_failures")
-    if tier_failures is not None and tier_failures["exceeded"]:
-        console.print(
-            Text(
-                f"Tier failures: {tier_failures['count']:,} (failed tier jobs + missing reads + "
-                f"tier timeouts), more than --max-tier-failures {tier_failures['max_allowed']:,}: "
-                f"exit status {report.get('exit_status', 3)}.",
-                style="bold yellow",
-            )
-        )
-    verification = report["verification"]
-    if verification["mismatches"]:
-        examples = ", ".join(
-            f"block {e['hash_id']} from {e['source']} (request {e['request']})"
-            for e in verification["examples"]
-        )
-        console.print(
-            Text(
-                f"DATA MISMATCH: {verification['mismatches']} of "
-                f"{verification['verified_blocks']:,} loaded blocks did not hold the bytes "
-                f"stored: {examples}",
-                style="bold red",
-            )
-        )
-    else:
-        console.print(
-            Text(
-                f"All {verification['verified_blocks']:,} loaded blocks verified byte for byte.",
-                style="bold green",
-            )
-        )
+    console.print(latency_table(report, wide=wide))
+    for line in verdicts(report):
+        console.print(line)
