@@ -21,13 +21,17 @@ Per request, as vLLM's scheduler and offloading connector would:
 Wall time is split between the simulated GPU side (prefix cache, filling and
 verifying bytes) and the tier work (every manager call, stepping and waiting for
 promotions), so the tier figures can be trusted.
+
+This module owns that loop (:class:`Replayer`) and what it drives
+(:class:`ReplayStack`); what it counts is :class:`~tiering.replay.totals.ReplayTotals`
+(importable from here too).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tiering.contract import OffloadingManager, PrepareStoreOutput
 from tiering.errors import ContractError
@@ -35,21 +39,22 @@ from tiering.jobs import SecondaryTierManager
 from tiering.keys import NO_CONTEXT, OffloadKey
 from tiering.replay.blockdata import BlockContents, block_key, word_rows
 from tiering.replay.gpu_cache import GPUPrefixCache
-from tiering.replay.metrics import LatencySamples, PhaseClock
 from tiering.replay.offline import DEFAULT_STORE_CHUNK_BLOCKS
+from tiering.replay.totals import (
+    CPU,
+    GPU,
+    PHASE_DRAIN,
+    PHASE_GPU,
+    PHASE_PROMOTION_WAIT,
+    PHASE_STORE_STALL,
+    PHASE_TIER,
+    HitTally,
+    Mismatch,
+    ReplayTotals,
+)
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
 from tiering.specs import BlockIDsLoadStoreSpec
 from tiering.stats import ManagerStats
-
-GPU = "gpu"
-CPU = "cpu"
-
-# Phases of the replay's wall time.
-PHASE_GPU = "gpu_side"
-PHASE_TIER = "tier_work"
-PHASE_PROMOTION_WAIT = "promotion_wait"  # part of the tier work
-PHASE_STORE_STALL = "store_stall"  # part of the tier work
-PHASE_DRAIN = "drain"
 
 _POLL_SLEEP_MIN_S = 20e-6
 _POLL_SLEEP_MAX_S = 1e-3
@@ -72,63 +77,6 @@ class ReplayStack:
     step: Callable[[], object]
     stats: Callable[[], ManagerStats]
     shutdown: Callable[[], None]
-
-
-@dataclass(slots=True)
-class HitTally:
-    """Tokens and blocks served by one place (GPU, CPU or a secondary tier)."""
-
-    tokens: int = 0
-    blocks: int = 0
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-        self.blocks += 1
-
-
-@dataclass(frozen=True, slots=True)
-class Mismatch:
-    """A loaded block whose bytes were not the bytes stored."""
-
-    request_index: int
-    hash_id: int
-    source: str
-
-
-@dataclass(slots=True)
-class ReplayTotals:
-    """Everything the replay counted itself (the tiers' own figures come from stats)."""
-
-    requests_total: int = 0
-    requests_done: int = 0
-    total_tokens: int = 0
-    total_blocks: int = 0
-    hits: dict[str, HitTally] = field(default_factory=dict)
-    blocks_stored: int = 0  # GPU -> CPU
-    blocks_loaded: int = 0  # CPU -> GPU
-    blocks_promoted_used: int = 0  # promoted from a secondary tier and loaded
-    store_rejected_blocks: int = 0  # prepare_store returned None
-    promotion_timeouts: int = 0  # blocks still in flight at the promotion timeout
-    lost_before_load: int = 0  # answered True, gone by the time of prepare_load
-    load_errors: int = 0  # prepare_load refused blocks the lookup found
-    verified_blocks: int = 0
-    mismatches: int = 0
-    mismatch_examples: list[Mismatch] = field(default_factory=list)
-    store_latency: LatencySamples = field(default_factory=LatencySamples)
-    load_latency: LatencySamples = field(default_factory=LatencySamples)
-    promotion_latency: LatencySamples = field(default_factory=LatencySamples)
-    store_stalls: LatencySamples = field(default_factory=LatencySamples)
-    clock: PhaseClock = field(default_factory=PhaseClock)
-    wall_s: float = 0.0
-    interrupted: bool = False
-    draining: bool = False  # the requests are done; waiting for tier jobs in flight
-    drained: bool = True
-
-    def hit(self, place: str) -> HitTally:
-        tally = self.hits.get(place)
-        if tally is None:
-            tally = self.hits[place] = HitTally()
-        return tally
 
 
 class Replayer:
@@ -461,3 +409,20 @@ def _block_ids(spec: object) -> list[int]:
     if not isinstance(spec, BlockIDsLoadStoreSpec):
         raise TypeError(f"expected a spec with block ids from the CPU primary tier, got {spec!r}")
     return [int(b) for b in spec.block_ids.tolist()]
+
+
+__all__ = [
+    "Replayer",
+    "ReplayStack",
+    # defined in tiering.replay.totals, importable from here as before
+    "CPU",
+    "GPU",
+    "PHASE_DRAIN",
+    "PHASE_GPU",
+    "PHASE_PROMOTION_WAIT",
+    "PHASE_STORE_STALL",
+    "PHASE_TIER",
+    "HitTally",
+    "Mismatch",
+    "ReplayTotals",
+]

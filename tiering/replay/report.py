@@ -17,7 +17,9 @@ from rich.console import Console
 
 from tiering.replay.metrics import LatencySamples
 from tiering.replay.offline import HitRate
-from tiering.replay.replayer import (
+from tiering.replay.report_tables import WIDE_CONSOLE, latency_table, tier_tables
+from tiering.replay.report_verdicts import heading, verdicts
+from tiering.replay.totals import (
     CPU,
     GPU,
     PHASE_DRAIN,
@@ -27,8 +29,6 @@ from tiering.replay.replayer import (
     PHASE_TIER,
     ReplayTotals,
 )
-from tiering.replay.report_tables import WIDE_CONSOLE, latency_table, tier_tables
-from tiering.replay.report_verdicts import heading, verdicts
 from tiering.runtime.stats import TierStats as RuntimeTierStats
 from tiering.stats import ManagerStats, TierStats
 
