@@ -1,5 +1,12 @@
 """Secondary tiers from config dicts ``{"type": ..., **options}`` (the seed's ``secondary_tiers``).
 
+This module owns building and starting the tier an entry describes
+(:func:`create_secondary_tier`: on a loop thread of this process, or in a child
+process) and the one-line note naming a tier that failed to start
+(:func:`tier_start_failure`). Which class a ``type`` names is resolved in
+:mod:`tiering.tier_types`, and an entry is checked in :mod:`tiering.tier_entries`;
+their public names are importable from here as well.
+
 A ``type`` names a tier class (an :class:`~tiering.tier.AsyncTier` subclass),
 found in this order:
 
@@ -61,264 +68,31 @@ from __future__ import annotations
 
 import errno
 import functools
-import importlib
-import importlib.metadata
-import inspect
 import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tiering.auth import AUTH_OPTION_NAMES, authenticator_from_options
 from tiering.errors import ConfigError
 from tiering.host_buffer import HostBuffer
-from tiering.manager.filters import LOCALITIES, MEDIA
 from tiering.runtime import AsyncTierManager
-from tiering.runtime.facade import check_runtime_options
 from tiering.tier import AsyncTier
-
-#: Built-in tier names and the classes they import lazily ("module:Class").
-BUILTIN_TIERS: Mapping[str, str] = {
-    "memory": "tiers.memory:MemoryTier",
-    "example": "tiers.memory:ExampleTier",
-    "fs": "tiers.fs:FileSystemTier",
-    "redis": "tiers.redis:RedisTier",
-    "directory": "tiers.directory:DirectoryTier",
-}
-
-#: Entry-point group third-party packages use to publish tier types.
-ENTRY_POINT_GROUP = "kv_tiering.tiers"
-
-#: Keys of a tier's config dict that configure the runtime, not the tier.
-FRAMEWORK_KEYS = (
-    "type",
-    "module_path",
-    "name",
-    "job_timeout_s",
-    "open_timeout_s",
-    "shutdown_timeout_s",
-    "cancel_grace_s",
-    "shared_absent_ttl_s",
-    "shared_present_ttl_s",
-    "shared_max_known_keys",
-    "max_events",
-    "verify",
-    "failed_load_backoff_s",
-    "cpus",
-    "max_gil_hold_ms",
-    "gc_handoff",
-    "isolation",
-    "medium",
-    "locality",
-    "enable_kv_events",
+from tiering.tier_entries import (
+    FRAMEWORK_KEYS,
+    ISOLATION_MODES,
+    MANAGER_OPTIONS,
+    check_tier_config,
+    from_vllm_entry,
+    tier_identity,
+    tier_options,
 )
-_MANAGER_OPTIONS = FRAMEWORK_KEYS[3 : FRAMEWORK_KEYS.index("isolation")]
-#: Where a tier's event loop may run (the ``isolation`` key).
-ISOLATION_MODES = ("thread", "process")
-
-_registered: dict[str, str | type[AsyncTier]] = {}
-
-
-def register_tier_type(name: str, target: str | type[AsyncTier], *, replace: bool = False) -> None:
-    """Make ``{"type": name}`` build ``target``: an AsyncTier subclass or a ``"module:Class"`` path.
-
-    Raises ``ValueError`` if ``name`` is already registered or built in,
-    unless ``replace`` is True, and ``TypeError`` for a target that is
-    neither. A string target is imported only when a tier of that type is
-    created.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a tier type name must be a non-empty string, got {name!r}")
-    if isinstance(target, str):
-        if ":" not in target:
-            raise ValueError(f"tier target {target!r} must look like 'package.module:Class'")
-    elif not (isinstance(target, type) and issubclass(target, AsyncTier)):
-        raise TypeError(f"tier target must be an AsyncTier subclass or a path, got {target!r}")
-    if not replace and (name in _registered or name in BUILTIN_TIERS):
-        raise ValueError(f"tier type {name!r} is already defined (pass replace=True to override)")
-    _registered[name] = target
-
-
-def unregister_tier_type(name: str) -> None:
-    """Forget a name given to :func:`register_tier_type` (no error if unknown)."""
-    _registered.pop(name, None)
-
-
-def known_tier_types() -> list[str]:
-    """Every type name resolvable without a path: registered, built in, entry points."""
-    names = set(_registered) | set(BUILTIN_TIERS)
-    names.update(ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-    return sorted(names)
-
-
-def resolve_tier_class(type_name: str, module_path: str | None = None) -> type[AsyncTier]:
-    """The tier class a ``type`` (and optional vLLM-style ``module_path``) names.
-
-    Raises :class:`~tiering.errors.ConfigError` for an unknown name, a path
-    that does not import, or something that is not an AsyncTier subclass.
-    """
-    if not isinstance(type_name, str) or not type_name:
-        raise ConfigError(f"'type' must be a non-empty string, got {type_name!r}")
-    if module_path is not None:
-        if not isinstance(module_path, str) or not module_path:
-            raise ConfigError(f"'module_path' must be a module name, got {module_path!r}")
-        return _load(f"{module_path}:{type_name}", type_name)
-    target = _registered.get(type_name) or BUILTIN_TIERS.get(type_name)
-    if target is not None:
-        return target if isinstance(target, type) else _load(target, type_name)
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry_point.name == type_name:
-            try:
-                loaded = entry_point.load()
-            except Exception as exc:
-                raise ConfigError(
-                    f"tier type {type_name!r} (entry point {entry_point.value!r}) "
-                    f"failed to import: {exc!r}"
-                ) from exc
-            return _check_class(loaded, type_name)
-    if ":" in type_name:
-        return _load(type_name, type_name)
-    raise ConfigError(
-        f"unknown tier type {type_name!r}; known types: {', '.join(known_tier_types())}, "
-        "or a 'package.module:Class' path"
-    )
-
-
-def _load(path: str, type_name: str) -> type[AsyncTier]:
-    module_name, _, attribute = path.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"tier type {type_name!r}: cannot import {path!r}: {exc}") from exc
-    return _check_class(obj, type_name)
-
-
-def _check_class(obj: object, type_name: str) -> type[AsyncTier]:
-    if not (isinstance(obj, type) and issubclass(obj, AsyncTier)):
-        raise ConfigError(f"tier type {type_name!r} names {obj!r}, which is not an AsyncTier")
-    return obj
-
-
-def tier_options(tier_class: type[AsyncTier]) -> tuple[list[str], list[str], bool]:
-    """``(accepted, required, takes_any)`` keyword names of ``tier_class``'s constructor."""
-    signature = inspect.signature(tier_class)
-    accepted: list[str] = []
-    required: list[str] = []
-    takes_any = False
-    for param in signature.parameters.values():
-        if param.kind is inspect.Parameter.VAR_KEYWORD:
-            takes_any = True
-        elif param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
-            accepted.append(param.name)
-            if param.default is inspect.Parameter.empty:
-                required.append(param.name)
-        elif param.kind is inspect.Parameter.POSITIONAL_ONLY and param.default is param.empty:
-            required.append(param.name)  # cannot be given by config: always reported missing
-    return accepted, required, takes_any
-
-
-#: The vLLM adapter classes (``tiering.integrations.vllm``) and the tier each runs.
-_VLLM_ADAPTER_MODULE = "tiering.integrations.vllm"
-_VLLM_ADAPTER_TIERS = {
-    "KVTieringFileSystemTier": "fs",
-    "KVTieringRedisTier": "redis",
-    "KVTieringMemoryTier": "memory",
-    "KVTieringTier": None,  # the ``tier`` option names it
-}
-
-
-def from_vllm_entry(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A ``secondary_tiers`` entry written for vLLM (our adapter classes) as our own entry.
-
-    ``{"type": "KVTieringFileSystemTier", "module_path": "tiering.integrations.vllm",
-    ...}`` becomes ``{"type": "fs", ...}`` (``KVTieringTier``'s ``tier`` option
-    gives the type), so the same config file serves vLLM and ``tiering replay``
-    without importing vLLM. Any other entry is returned as it is.
-    """
-    if not isinstance(config, Mapping) or config.get("module_path") != _VLLM_ADAPTER_MODULE:
-        return config
-    type_name = config.get("type")
-    if type_name not in _VLLM_ADAPTER_TIERS:
-        return config
-    ours = {k: v for k, v in config.items() if k != "module_path"}
-    fixed = _VLLM_ADAPTER_TIERS[type_name]
-    ours["type"] = fixed if fixed is not None else ours.pop("tier", None)
-    if not ours["type"]:
-        raise ConfigError(f"{type_name} needs a 'tier' option naming the tier type to run")
-    if fixed is not None and "tier" in ours:
-        raise ConfigError(f"{type_name} always runs our {fixed!r} tier; drop the 'tier' option")
-    return ours
-
-
-def check_tier_config(
-    config: Mapping[str, Any], *, position: int
-) -> tuple[type[AsyncTier], dict[str, Any], Mapping[str, Any], str]:
-    """Check a ``secondary_tiers`` entry without building anything.
-
-    Resolves the type, checks the option names against the tier class's
-    constructor (unknown options, missing required ones) and lets the class
-    check values that must fail early (:meth:`AsyncTier.check_options`). Returns the class,
-    the tier's own options, the entry as our own (see below) and the entry's
-    description for messages. Values
-    are checked by the class itself when it is constructed. An entry written
-    for vLLM's ``module_path`` with our adapter classes is read as our own
-    (see :func:`from_vllm_entry`).
-    """
-    where = f"secondary_tiers[{position}]"
-    try:
-        config = from_vllm_entry(config)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"{where} must be a dict with a 'type' key, got {config!r}")
-    if "type" not in config:
-        raise ConfigError(f"{where}: missing required key 'type'; config: {dict(config)!r}")
-    type_name = config["type"]
-    where = f"{where} (type {type_name!r})"
-    try:
-        tier_class = resolve_tier_class(type_name, config.get("module_path"))
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    options = {k: v for k, v in config.items() if k not in FRAMEWORK_KEYS}
-    accepted, required, takes_any = tier_options(tier_class)
-    if not takes_any:
-        for key in options:
-            if key not in accepted:
-                raise ConfigError(
-                    f"{where}: unknown option {key!r}; {tier_class.__name__} accepts "
-                    f"{', '.join(accepted) or 'no options'}; the framework's keys are "
-                    f"{', '.join(FRAMEWORK_KEYS)}"
-                )
-    for key in required:
-        if key not in options:
-            raise ConfigError(f"{where}: missing required option {key!r} of {tier_class.__name__}")
-    try:
-        tier_class.check_options(options)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    name = config.get("name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise ConfigError(f"{where}: 'name' must be a non-empty string, got {name!r}")
-    try:
-        check_runtime_options(**{k: config[k] for k in _MANAGER_OPTIONS if k in config})
-        tier_identity(config, tier_class)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    isolation = config.get("isolation", "thread")
-    if isolation not in ISOLATION_MODES:
-        raise ConfigError(
-            f"{where}: isolation must be one of {', '.join(map(repr, ISOLATION_MODES))}, "
-            f"got {isolation!r}"
-        )
-    if any(name in options for name in AUTH_OPTION_NAMES):
-        # Read the authentication key now: a missing or unsafe key fails the spec's
-        # construction, not the first build (the tier reads it again when built).
-        try:
-            authenticator_from_options(options)
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-    return tier_class, options, config, where
+from tiering.tier_types import (
+    BUILTIN_TIERS,
+    ENTRY_POINT_GROUP,
+    known_tier_types,
+    register_tier_type,
+    resolve_tier_class,
+    unregister_tier_type,
+)
 
 
 def create_secondary_tier(
@@ -362,27 +136,6 @@ def create_secondary_tier(
     return _start_manager(start, config, where, position, tier_class)
 
 
-def tier_identity(
-    config: Mapping[str, Any], tier_class: type[AsyncTier]
-) -> tuple[str, str | None, bool]:
-    """``(medium, locality, events)`` of a tier entry: its ``medium`` (default: the class's),
-    ``locality`` (``"LOCAL"`` / ``"REMOTE"``, default undeclared) and ``enable_kv_events``
-    (default true). Raises :class:`ConfigError` naming the key for anything else."""
-    medium = config.get("medium")
-    medium = tier_class.medium if medium is None else medium
-    if not isinstance(medium, str) or medium.upper() not in MEDIA:
-        raise ConfigError(f"medium must be 'STORAGE' or 'CPU', got {medium!r}")
-    locality = config.get("locality")
-    if locality is not None and (
-        not isinstance(locality, str) or locality.upper() not in LOCALITIES
-    ):
-        raise ConfigError(f"locality must be 'LOCAL' or 'REMOTE', got {locality!r}")
-    events = config.get("enable_kv_events", True)
-    if not isinstance(events, bool):
-        raise ConfigError(f"enable_kv_events must be true or false, got {events!r}")
-    return medium.upper(), None if locality is None else locality.upper(), events
-
-
 def _start_manager(
     start: Callable[..., AsyncTierManager],
     config: Mapping[str, Any],
@@ -391,7 +144,7 @@ def _start_manager(
     tier_class: type[AsyncTier],
 ) -> AsyncTierManager:
     """``start(name=..., **the entry's framework options)``; its errors name the entry."""
-    manager_options = {k: config[k] for k in _MANAGER_OPTIONS if k in config}
+    manager_options = {k: config[k] for k in MANAGER_OPTIONS if k in config}
     name = config.get("name") or f"{config['type']}-{position}"  # null: the default
     medium, locality, events = tier_identity(config, tier_class)
     try:
@@ -487,6 +240,7 @@ __all__ = [
     "known_tier_types",
     "register_tier_type",
     "resolve_tier_class",
+    "tier_identity",
     "tier_options",
     "tier_start_failure",
     "unregister_tier_type",
