@@ -281,17 +281,30 @@ def test_isolation_is_checked_before_anything_starts(view: memoryview) -> None:
 
 
 def test_a_spec_with_an_isolated_tier_shares_its_primary_buffer() -> None:
+    """The tier's process copies blocks out of and back into the spec's primary buffer:
+    a round trip through it returns the bytes (it could not, on a private copy)."""
+    from tests.manager_helpers import BLOCK_BYTES, key, load_and_verify, promote, settle, store
     from tiering.isolation import IsolatedTierManager
+    from tiering.keys import NO_CONTEXT
     from tiering.spec import build_manager
 
     config = {
-        "cpu_bytes_to_use": 8 * 4096,
+        "cpu_bytes_to_use": 8 * BLOCK_BYTES,
         "secondary_tiers": [{"type": "memory", "capacity_blocks": 4, "isolation": "process"}],
     }
-    manager = build_manager(config, block_bytes=4096)
+    manager = build_manager(config, block_bytes=BLOCK_BYTES, require_alignment=False)
     try:
         tier = manager.secondary_tiers[0]
         assert isinstance(tier, IsolatedTierManager)
         assert manager.primary.buffer.name is not None
+        blocks = [key(i) for i in range(4)]
+        store(manager, blocks)
+        settle(manager)
+        assert tier.stats().blocks_stored == 4  # read by the child from the shared rows
+        store(manager, [key(100 + i) for i in range(8)], success=False)  # evicts the four
+        assert promote(manager, blocks) == [None] * 4  # promotions started...
+        settle(manager)
+        assert [manager.lookup(k, NO_CONTEXT) for k in blocks] == [True] * 4  # ...and landed
+        load_and_verify(manager, blocks)  # written by the child into the shared rows
     finally:
         manager.shutdown()

@@ -10,7 +10,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -91,14 +95,62 @@ def test_cpus_this_machine_lacks_are_named() -> None:
         check_cpus([TARGET, missing])
 
 
-def test_a_cpu_the_process_may_not_use_fails_at_pinning_and_changes_nothing() -> None:
-    outside = set(range(os.cpu_count() or 1)) - ALLOWED
-    if not outside:
-        pytest.skip("this process may use every CPU of the machine")
-    before = os.sched_getaffinity(0)
-    with pytest.raises(ConfigError, match=r"not allowed to this process|cannot run on"):
-        pin_current_thread(frozenset({TARGET, min(outside)}))
-    assert os.sched_getaffinity(0) == before
+CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
+IN_A_CPUSET = """
+import os, sys
+from tiering.errors import ConfigError
+from tiering.runtime.affinity import pin_current_thread
+target, outside = int(sys.argv[1]), int(sys.argv[2])
+before = os.sched_getaffinity(0)
+try:
+    pin_current_thread(frozenset({target, outside}))
+except ConfigError as exc:
+    print("refused:", exc)
+print("unchanged" if os.sched_getaffinity(0) == before else "changed")
+"""
+
+
+@pytest.fixture
+def one_cpu_cpuset() -> Iterator[Path]:
+    """A cgroup-v1 cpuset of one CPU (``TARGET``), removed afterwards."""
+    if os.geteuid() != 0 or not (CPUSET_ROOT / "cpuset.cpus").is_file():
+        pytest.skip("needs root and a cgroup-v1 cpuset hierarchy at /sys/fs/cgroup/cpuset")
+    group = CPUSET_ROOT / f"kv-tiering-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpuset.mems").write_text((CPUSET_ROOT / "cpuset.mems").read_text())
+        (group / "cpuset.cpus").write_text(str(TARGET))
+        yield group
+    finally:
+        group.rmdir()  # the child has exited: the group is empty
+
+
+def test_a_cpu_outside_the_cpuset_fails_at_pinning_and_changes_nothing(
+    one_cpu_cpuset: Path,
+) -> None:
+    """The real kernel: a process in a one-CPU cpuset asks for a second CPU."""
+    machine = os.cpu_count() or 1
+    if machine < 2:
+        pytest.skip("a one-CPU machine has no CPU outside the cpuset")
+    outside = (TARGET + 1) % machine
+    tasks = one_cpu_cpuset / "tasks"
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"open({str(tasks)!r}, 'w').write(str(__import__('os').getpid()))\n" + IN_A_CPUSET,
+            str(TARGET),
+            str(outside),
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    refusal = f"refused: cpus: {outside} not allowed to this process"
+    assert refusal in child.stdout, child.stdout + child.stderr
+    assert child.stdout.rstrip().endswith("unchanged"), child.stdout
 
 
 def test_pinning_outside_the_cpuset_is_refused_and_undone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -457,15 +457,37 @@ def test_config_errors_name_the_tiers_position(make_manager: Any) -> None:
         make_manager(entries)
 
 
-def test_backpressure_detector_is_wired_and_fed(make_manager: Any) -> None:
+def test_vllms_backpressure_detector_fed_by_our_jobs_drops_stores_to_a_slow_tier(
+    make_manager: Any,
+) -> None:
+    """vLLM's EMA detector, configured for our tier, sees our jobs' transfer times: with a
+    high-water mark no real store can meet, the tier goes under pressure after its second
+    store (the first seeds the EMA) and vLLM drops the cascades that follow (our tier never
+    sees them)."""
     entry = ours(
-        "KVTieringMemoryTier", backpressure={"backpressure_cls": "EMABackpressureDetector"}
+        "KVTieringMemoryTier",
+        backpressure={
+            "backpressure_cls": "EMABackpressureDetector",
+            "high_water_s": 1e-12,
+            "low_water_s": 1e-13,
+            "warmup_completions": 1,
+            "decay_half_life_s": 3600.0,
+        },
     )
     manager, driver = make_manager([entry])
     tier = tier_of(manager)
-    assert tier.bp_detector is not None
-    round_trip(driver, chained_keys("bp", 8))
-    assert tier.bp_detector.stats.get("store_latency_ema") is not None
+    assert tier._pinned_share is None  # vLLM's detector replaces our default
+    round_trip(driver, chained_keys("bp-first", 4))  # promotions are not stores: no sample
+    driver.store("bp-second", chained_keys("bp-second", 4), fill_pattern)
+    driver.run_until_idle()
+    assert tier.stats().store_jobs_submitted == 2
+    assert tier.bp_detector.is_under_pressure()
+    assert tier.bp_detector.stats["store_latency_ema"] > 1e-12
+    stores_before = tier.stats().store_jobs_submitted
+    for prompt in range(3):
+        driver.store(f"bp-{prompt}", chained_keys(f"bp-{prompt}", 4), fill_pattern)
+    driver.run_until_idle()
+    assert tier.stats().store_jobs_submitted == stores_before  # every cascade dropped
 
 
 def test_ours_next_to_vllms_own_fs_tier(make_manager: Any, tmp_path: Any) -> None:
