@@ -184,7 +184,7 @@ async def test_a_failed_bulk_copy_leaves_written_keys_absent_and_read_keys_held(
     def refuse(*args: object) -> None:
         raise OSError(14, "injected bulk copy failure")
 
-    monkeypatch.setattr("tiers.memory.copy_regions", refuse)
+    monkeypatch.setattr("tiers.memory_stores.copy_regions", refuse)
     with pytest.raises(PartialBatchError) as info:
         await tier.write_many([key(2), key(3)], [block(2), block(3)])
     assert set(info.value.errors) == {key(2), key(3)} and not info.value.succeeded

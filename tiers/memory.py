@@ -11,7 +11,9 @@ Block bytes move outside the GIL: a call's copies are gathered into one
 table of addresses and moved by one :func:`tiering.copy.bulk.copy_regions`
 (per 8 MiB in the batch forms), which releases the GIL for every copy of
 16 KiB or more and between 16 KiB batches of smaller ones, so the scheduler
-thread keeps running Python while this tier copies.
+thread keeps running Python while this tier copies. The stores that hold
+the bytes and queue those copies are :mod:`tiers.memory_stores`; this module
+owns the tier's API, its bound and its eviction.
 
 Config (``secondary_tiers`` entry)::
 
@@ -22,18 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
-import numpy as np
-
-from tiering.copy.bulk import address_of, copy_regions
+from tiering.copy.bulk import address_of
 from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
-from tiering.mappings import private_anonymous
 from tiering.policies import EvictionPolicy, PolicyChoice, resolve_policy
 from tiering.tier import AsyncTier, TierContext
+from tiers.memory_stores import ArenaStore, HeapStore
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class MemoryTier(AsyncTier):
         self._capacity_bytes = capacity_bytes
         self._policy_choice: PolicyChoice = policy
         self._policy: EvictionPolicy[Hashable] | None = None
-        self._store: _HeapStore | _ArenaStore = _HeapStore()
+        self._store: HeapStore | ArenaStore = HeapStore()
         self._block_bytes = 0
 
     async def open(self, context: TierContext) -> None:
@@ -102,10 +101,10 @@ class MemoryTier(AsyncTier):
                 )
             self.capacity_blocks = blocks
         self._block_bytes = context.block_bytes
-        self._store = _HeapStore(context.block_bytes)
+        self._store = HeapStore(context.block_bytes)
         if self.capacity_blocks is not None:
             self._policy = self._policy_choice.build(self.capacity_blocks)
-            self._store = _ArenaStore(self.capacity_blocks, context.block_bytes)
+            self._store = ArenaStore(self.capacity_blocks, context.block_bytes)
 
     @property
     def num_blocks(self) -> int:
@@ -293,131 +292,6 @@ class MemoryTier(AsyncTier):
 
 
 _NONE: list[OffloadKey] = []  # shared empty result (never mutated)
-
-
-class _CopyQueue:
-    """Copies of whole blocks, queued by address and run in one bulk call by ``flush``."""
-
-    def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
-        self._src: list[int] = []
-        self._dst: list[int] = []
-        # What the queued addresses point into, kept alive until the copies ran.
-        self._holds: list[object] = []
-
-    def add(self, src: int, dst: int, hold: object) -> None:
-        self._src.append(src)
-        self._dst.append(dst)
-        if hold is not None:
-            self._holds.append(hold)
-
-    def flush(self) -> None:
-        if not self._src:
-            return
-        src, dst, self._src, self._dst = self._src, self._dst, [], []
-        try:
-            copy_regions(src, dst, self.block_bytes)
-        finally:
-            self._holds.clear()
-
-
-class _HeapStore(_CopyQueue):
-    """Unbounded: one numpy array per block (allocated uninitialised, then copied into)."""
-
-    def __init__(self, block_bytes: int = 0) -> None:
-        super().__init__(block_bytes)
-        self.blocks: dict[OffloadKey, tuple[np.ndarray[Any, np.dtype[np.uint8]], int]] = {}
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.blocks
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def keys(self) -> list[OffloadKey]:
-        return list(self.blocks)
-
-    def copy_out(self, key: OffloadKey, into: int) -> bool:
-        held = self.blocks.get(key)
-        if held is None:
-            return False
-        self.add(held[1], into, held[0])
-        return True
-
-    def put(self, key: OffloadKey, source: int, data: memoryview) -> None:
-        # A fresh array even when overwriting: a reader queued before keeps the old bytes.
-        block = np.empty(self.block_bytes, dtype=np.uint8)
-        address = int(block.ctypes.data)
-        self.blocks[key] = (block, address)
-        self.add(source, address, (block, data))
-
-    def drop(self, key: OffloadKey) -> bool:
-        return self.blocks.pop(key, None) is not None
-
-    def close(self) -> None:
-        self.blocks.clear()
-
-
-class _ArenaStore(_CopyQueue):
-    """Bounded: ``capacity`` fixed slots of one private anonymous mapping (huge pages where
-    allowed), reused after eviction."""
-
-    def __init__(self, capacity: int, block_bytes: int) -> None:
-        super().__init__(block_bytes)
-        self._map: mmap.mmap | None = private_anonymous(capacity * block_bytes)
-        self._arena: np.ndarray[Any, np.dtype[np.uint8]] | None = np.frombuffer(
-            self._map, dtype=np.uint8
-        )
-        self._base = int(self._arena.ctypes.data)
-        self._capacity = capacity
-        self._slots: dict[OffloadKey, int] = {}
-        self._free: list[int] = []
-        self._never_used = 0  # slots [_never_used, capacity) were never handed out
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._slots
-
-    def __len__(self) -> int:
-        return len(self._slots)
-
-    def keys(self) -> list[OffloadKey]:
-        return list(self._slots)
-
-    def copy_out(self, key: OffloadKey, into: int) -> bool:
-        slot = self._slots.get(key)
-        if slot is None:
-            return False
-        self.add(self._base + slot * self.block_bytes, into, None)
-        return True
-
-    def put(self, key: OffloadKey, source: int, data: memoryview) -> None:
-        slot = self._slots.get(key)
-        if slot is None:
-            if self._free:
-                slot = self._free.pop()
-            elif self._never_used < self._capacity:
-                slot, self._never_used = self._never_used, self._never_used + 1
-            else:
-                raise RuntimeError("memory tier arena is full (evict before storing)")
-        # Copies run in queue order, so a slot evicted and reused within one
-        # batch ends up holding the later block.
-        self.add(source, self._base + slot * self.block_bytes, data)
-        self._slots[key] = slot
-
-    def drop(self, key: OffloadKey) -> bool:
-        slot = self._slots.pop(key, None)
-        if slot is None:
-            return False
-        self._free.append(slot)
-        return True
-
-    def close(self) -> None:
-        self._slots.clear()
-        self._free.clear()
-        if self._map is not None:
-            self._arena = None  # drop the array's export of the mapping first
-            self._map.close()
-            self._map = None
 
 
 class ExampleTier(MemoryTier):
