@@ -1,4 +1,5 @@
-"""Every code block in docs/ is run here or marked as not runnable (docs/docs-conventions.md).
+"""Every code block in docs/ and README.md is run here or marked as not runnable
+(docs/docs-conventions.md).
 
 Python blocks run (a page's blocks in order, in one namespace); JSON, YAML and TOML blocks
 parse, and configurations among them are validated as the spec validates them; every other
@@ -77,7 +78,7 @@ def blocks_of(page: Path) -> list[Block]:
     return found
 
 
-PAGES = sorted(DOCS.rglob("*.md"))
+PAGES = [*sorted(DOCS.rglob("*.md")), ROOT / "README.md"]
 ALL_BLOCKS = [block for page in PAGES for block in blocks_of(page)]
 
 
