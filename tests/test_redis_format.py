@@ -281,18 +281,18 @@ def test_value_buffers_are_reused_up_to_a_bound() -> None:
 
 
 def test_a_reply_parsed_after_its_load_ended_writes_nothing() -> None:
-    from tiers.redis.tier import _LOADED, _Load
+    from tiers.redis.loads import LOADED, Load
 
     tier = RedisTier(url="redis://127.0.0.1:1/0")
     tier._layout = layout()
     value = layout().encode(KEY, memoryview(payload()))
     into = bytearray(BLOCK)
-    ended = _Load(KEY, memoryview(into), [False])
+    ended = Load(KEY, memoryview(into), [False])
     answer = tier._load_reply(b"anything", kvt_load=ended)
     assert isinstance(answer, RuntimeError) and "has ended" in str(answer)
     assert into == bytearray(BLOCK)
-    live = _Load(KEY, memoryview(into), [True])  # while the call is live, it is copied in
-    assert tier._load_reply(value, kvt_load=live) is _LOADED and bytes(into) == payload()
+    live = Load(KEY, memoryview(into), [True])  # while the call is live, it is copied in
+    assert tier._load_reply(value, kvt_load=live) is LOADED and bytes(into) == payload()
 
 
 # -- authenticated values (format 2) -----------------------------------------------------------

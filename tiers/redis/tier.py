@@ -6,7 +6,11 @@ cluster pipeline groups commands per node and runs the nodes concurrently).
 Jobs larger than ``max_pipeline_bytes`` are split into several round trips so
 neither side buffers an unbounded request. The round trips themselves (the
 client, the outage gate, the time budget) live in :mod:`tiers.redis.round_trips`,
-and the deletes that must spare a value rewritten since in :mod:`tiers.redis.deletes`.
+the deletes that must spare a value rewritten since in :mod:`tiers.redis.deletes`,
+the verification of each loaded value in :mod:`tiers.redis.loads`, and what a
+failed first contact means in :mod:`tiers.redis.opening`; this module owns the
+tier's API and lifecycle: which commands each operation sends, in what chunks,
+and what their replies mean for the runtime.
 
 The server's contents change behind our back (other engines write, the server
 evicts under ``maxmemory``, keys expire), so the tier is ``shared``: the
@@ -18,33 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
-import ssl
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
+from tiering.errors import ConfigError, PartialBatchError
 from tiering.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 from tiers.redis.config import RedisTierConfig
-from tiers.redis.connection import (
-    build_client,
-    diagnose_tls_refusal,
-    is_credentials_error,
-    is_unreachable,
-    tls_failure,
-    translate,
-)
+from tiers.redis.connection import build_client, translate
 from tiers.redis.deletes import delete_if_header, delete_rejected
-from tiers.redis.errors import (
-    RedisTierCommandError,
-    RedisTierTimeout,
-    RedisTierUnavailable,
-    RejectedValue,
-)
+from tiers.redis.errors import RedisTierCommandError, RedisTierTimeout, RedisTierUnavailable
 from tiers.redis.layout import BlockLayout, ValueBuffers
+from tiers.redis.loads import Load, LoadOutcomes, load_reply
+from tiers.redis.opening import start_error
 from tiers.redis.rejections import RejectionLog
 from tiers.redis.round_trips import RoundTrips
 from tiers.redis.stats import RedisTierStats
@@ -133,18 +125,10 @@ class RedisTier(AsyncTier):
             if not isinstance(exc, Exception):
                 await self.aclose()
                 raise
-            tls_error = tls_failure(exc)
-            if tls_error is None and self.config.uses_tls and is_unreachable(exc):
-                # A TLS refusal after the handshake reads as a reset: ask the server why.
-                tls_error = await diagnose_tls_refusal(self.config, self.config.connect_timeout_s)
-            degrade = (
-                self.config.on_start_unreachable == "degrade"
-                and is_unreachable(exc)
-                and tls_error is None
-            )
-            if not degrade:
+            error = await start_error(exc, self.config, context.name)
+            if error is not None:
                 await self.aclose()
-                raise self._open_error(exc, tls_error) from exc
+                raise error from exc
             self._round_trips.note_unreachable(log=False)
             logger.warning(
                 "%s: Redis at %s is unreachable at start (%s); the tier reports misses "
@@ -161,25 +145,6 @@ class RedisTier(AsyncTier):
             self.config.safe_url(),
             self.config.namespace,
         )
-
-    def _open_error(self, exc: Exception, tls_error: ssl.SSLError | None) -> Exception:
-        where = f"redis tier {self.context.name!r}: cannot use {self.config.safe_url()}"
-        if is_credentials_error(exc):
-            return RedisTierCommandError(
-                f"{where}: the server rejected the credentials ({exc}); check username/password"
-            )
-        if tls_error is not None:
-            return RedisTierCommandError(
-                f"{where}: the TLS handshake failed ({tls_error}); check ssl_ca_certs, "
-                "ssl_certfile, ssl_keyfile and the server's tls-* settings"
-            )
-        if is_unreachable(exc):
-            return RedisTierUnavailable(
-                f"{where}: the server is unreachable ({type(exc).__name__}: {exc}). Start it, "
-                "fix the url, or set on_start_unreachable='degrade' to start without it"
-            )
-        error = translate(exc, where)
-        return error if isinstance(error, Exception) else exc
 
     async def aclose(self) -> None:
         """Close every connection. Idempotent.
@@ -251,10 +216,7 @@ class RedisTier(AsyncTier):
             raise ValueError(f"{len(keys)} keys but {len(into)} destination buffers")
         layout = self._require_layout()
         ttl_ms = self.config.ttl_ms
-        errors: dict[bytes, BaseException] = {}
-        succeeded: list[bytes] = []
-        gone: list[OffloadKey] = []
-        corrupt: list[RejectedValue] = []
+        outcomes = LoadOutcomes()
         for lo, hi in self._chunks(len(keys)):
             chunk = keys[lo:hi]
             # Cleared once this chunk's round trip ends: a reply parsed later (a node's
@@ -262,11 +224,11 @@ class RedisTier(AsyncTier):
             # into ``into``.
             live = [True]
             loads = [
-                (layout.redis_key(k), _Load(k, dest, live))
+                (layout.redis_key(k), Load(k, dest, live))
                 for k, dest in zip(chunk, into[lo:hi], strict=True)
             ]
 
-            def fill(pipe: Any, loads: list[tuple[bytes, _Load]] = loads) -> None:
+            def fill(pipe: Any, loads: list[tuple[bytes, Load]] = loads) -> None:
                 for name, load in loads:
                     if ttl_ms is None:
                         pipe.execute_command("GET", name, kvt_load=load)
@@ -276,7 +238,7 @@ class RedisTier(AsyncTier):
             try:
                 replies = await self._round_trips.run("GET", fill)
             except Exception as exc:
-                errors.update(dict.fromkeys(chunk, exc))
+                outcomes.fail(chunk, exc)
                 continue
             finally:
                 live[0] = False
@@ -284,34 +246,15 @@ class RedisTier(AsyncTier):
                 while len(served) > self._max_served_headers:
                     served.popitem(last=False)
             for key, reply in zip(chunk, replies, strict=True):
-                if reply is _LOADED:
-                    succeeded.append(key)
-                elif isinstance(reply, BlockNotFound):
-                    gone.append(key)
-                    errors[key] = reply
-                elif isinstance(reply, RejectedValue):
-                    corrupt.append(reply)
-                    errors[key] = reply
-                elif isinstance(reply, BaseException) and str(reply).startswith("WRONGTYPE"):
-                    rejected = RejectedValue(key, "wrong_type", "the key holds a non-string value")
-                    corrupt.append(rejected)
-                    errors[key] = rejected
-                elif isinstance(reply, BaseException):
-                    errors[key] = self._translate(reply, "GET", key)
-                else:
-                    errors[key] = RuntimeError(f"unexpected reply to GET: {type(reply).__name__}")
-        self.stats.blocks_read += len(succeeded)
-        self.stats.bytes_read += len(succeeded) * layout.block_bytes
-        self.stats.read_failures += len(errors)
-        self.stats.vanished_blocks += len(gone)
-        if corrupt:
-            self._count_rejected(corrupt)
+                outcomes.sort(key, reply, self._translate)
+        outcomes.count(self.stats, layout.block_bytes, self._rejections)
+        gone, corrupt = outcomes.gone, outcomes.corrupt
         if gone or corrupt:
             self.report_removed(gone + [OffloadKey(r.key) for r in corrupt])
         if corrupt:
             await delete_rejected(self._round_trips, layout, corrupt, self.stats, self._rejections)
-        if errors:
-            raise PartialBatchError(succeeded, errors)
+        if outcomes.errors:
+            raise PartialBatchError(outcomes.succeeded, outcomes.errors)
 
     async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
         """Store blocks with one ``SET`` each (``PX`` when a TTL is set), pipelined.
@@ -447,52 +390,14 @@ class RedisTier(AsyncTier):
     def _load_reply(self, response: Any, **options: Any) -> Any:
         """redis-py's response callback for ``GET``/``GETEX`` on this tier's client.
 
-        Called as each reply is parsed: a load (``kvt_load`` option) is verified
-        and copied into its destination right away, and the value is dropped,
-        so a pipeline never holds more than one value. Never raises (an error
-        here would abandon the rest of the pipeline's replies): returns
-        ``_LOADED`` or the exception for that key.
+        A load's reply (``kvt_load`` option) is verified and copied into its
+        destination as it is parsed (:func:`~tiers.redis.loads.load_reply`);
+        never raises. Other replies pass through.
         """
-        load: _Load | None = options.get("kvt_load")
+        load: Load | None = options.get("kvt_load")
         if load is None:
             return response
-        if not load.live[0]:
-            return RuntimeError("the load this reply belongs to has ended")
-        if response is None:
-            return BlockNotFound(load.key)
-        layout = self._require_layout()
-        try:
-            layout.decode_into(load.key, response, load.into)
-        except RejectedValue as exc:
-            # Identifies this exact value, so the delete spares a rewrite landing later.
-            exc.value_sha1 = hashlib.sha1(response, usedforsecurity=False).hexdigest()
-            return exc
-        except Exception as exc:
-            return exc
-        self._served_headers[load.key] = response[: layout.header_len]
-        return _LOADED
-
-    def _count_rejected(self, rejected: list[RejectedValue]) -> None:
-        stats = self.stats
-        log = self._rejections
-        stats.corrupt_blocks += len(rejected)
-        for value in rejected:
-            counter = f"rejected_{value.kind}"
-            setattr(stats, counter, getattr(stats, counter) + 1)
-            if log is not None:
-                log.note(value)
-
-
-#: What ``_load_reply`` returns for a block verified and copied into place.
-_LOADED = object()
-
-
-class _Load(NamedTuple):
-    """One block a pipeline loads: its key and the destination row."""
-
-    key: OffloadKey
-    into: memoryview
-    live: list[bool]  # [False] once the round trip that queued it has ended
+        return load_reply(self._require_layout(), self._served_headers, load, response)
 
 
 async def _single(batch: Coroutine[Any, Any, None], key: OffloadKey) -> None:
