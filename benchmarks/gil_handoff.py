@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/gil_handoff.py            # ~1 minute
     .venv/bin/python benchmarks/gil_handoff.py --quick    # checks the script
+    .venv/bin/python benchmarks/gil_handoff.py --smoke    # a few seconds
 
 The main thread plays the scheduler: it sleeps ``--forward-ms`` (the GPU's
 forward pass; the GIL is free), then runs ``--step-us`` of pure Python (its
@@ -41,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_step import pct, print_markdown_table
+from benchmarks.support.common import pct, print_markdown_table
 from tiering.runtime import LoopThread
 from tiering.runtime.facade import DEFAULT_MAX_GIL_HOLD_MS
 
@@ -139,9 +140,12 @@ def main(argv: list[str] | None = None) -> None:
         help="max_gil_hold_ms values, one row each ('off': no hand-offs)",
     )
     parser.add_argument("--quick", action="store_true", help="short rows (checks the script)")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: shorter rows still")
     args = parser.parse_args(argv)
     if args.quick:
         args.seconds = 0.3
+    if args.smoke:
+        args.seconds = 0.1
     holds = [None if h == "off" else float(h) for h in args.holds]
     print(
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; scheduler: "

@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/isolation.py            # ~30 s
     .venv/bin/python benchmarks/isolation.py --quick    # checks the script
+    .venv/bin/python benchmarks/isolation.py --smoke    # the same, shorter
 
 The question: does taking a tier's event-loop thread out of the scheduler's
 process (so out of its GIL) bring the scheduler step back to its alone time,
 and what does the hand-off cost the scheduler instead? Three phases, in
 alternating rounds, the scheduler thread running the vLLM-shaped
-``schedule()`` of ``benchmarks/engine_step.py`` back to back:
+``schedule()`` of ``benchmarks/engine_step.py`` (:mod:`benchmarks.support.scheduler`)
+back to back:
 
 * ``alone``: steps only;
 * ``in-process``: the in-memory tier behind the real facade, flat out
@@ -43,22 +45,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_step import (
-    P50_TARGET,
-    P99_TARGET,
-    Phase,
-    ToyScheduler,
-    pct,
-    print_markdown_table,
-    run_steps,
-)
+from benchmarks.support.common import KIB, pct, print_markdown_table
+from benchmarks.support.scheduler import P50_TARGET, P99_TARGET, Phase, ToyScheduler, run_steps
 from tiering.host_buffer import HostBuffer, make_shared_name
 from tiering.jobs import JobMetadata
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
 from tiers.memory import MemoryTier
-
-KIB = 1024
 
 # A job on the wire: (job_id, keys, first primary row, is_load); a result: (job_id, success).
 Job = tuple[int, tuple[OffloadKey, ...], int, bool]
@@ -92,7 +85,7 @@ def serve(conn: Connection, shared_name: str, rows: int, block: int, capacity: i
 
 
 class Feeder:
-    """The scheduler side's job mix (as ``engine_step.JobMix``), sending jobs via ``submit``."""
+    """The scheduler side's job mix (as ``rigs.JobMix``), sending jobs via ``submit``."""
 
     def __init__(self, in_flight: int, per_job: int, tag: str) -> None:
         self.per_job = per_job
@@ -164,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.splitlines()[0] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small counts (checks the script)")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: --quick, shorter")
     parser.add_argument("--seconds", type=float, default=24.0, help="measured seconds in all")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--running", type=int, default=256, help="requests in the batch")
@@ -179,9 +173,11 @@ def main(argv: list[str] | None = None) -> None:
         help="GIL-free wait after each step (the GPU's forward pass; default 0: never rests)",
     )
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick or args.smoke:
         args.seconds, args.rounds, args.running = 1.5, 1, 64
         args.block_kib, args.blocks_per_job, args.in_flight, args.capacity_blocks = 64, 4, 4, 256
+    if args.smoke:
+        args.seconds = 0.6
     block = args.block_kib * KIB
     rows = args.in_flight * args.blocks_per_job
     print(
