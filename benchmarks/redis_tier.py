@@ -23,22 +23,22 @@ moved (the server's is not included); ``tier CPU us/blk`` the same per block
 to redis-py's own work.
 
 A second table shows what the scheduler thread feels: a pure-Python
-scheduler-like batch (the one of ``benchmarks/facade.py``) runs on the main
-thread alone, then while a Redis tier stores and loads flat out on its own
-event-loop thread, for payload copies with the GIL held (memoryview slice
-assignment: before) and released (the bulk copy, the tier's path for blocks of at
-least ``GIL_FREE_COPY_BYTES``: after). It reports the batch's p50 and p99
+scheduler-like batch (the one of ``benchmarks/facade.py``:
+``benchmarks.support.common.python_work``) runs on the main thread alone, then
+while a Redis tier stores and loads flat out on its own event-loop thread, for
+payload copies with the GIL held (memoryview slice assignment: before) and
+released (the bulk copy, the tier's path for blocks of at least
+``GIL_FREE_COPY_BYTES``: after). It reports the batch's p50 and p99
 slowdown against the alone runs around it, and the tier's GB/s meanwhile.
 
 Run: ``.venv/bin/python benchmarks/redis_tier.py [--total-mib 128] [--reps 5]
-[--scheduler-s 6]``.
+[--scheduler-s 6] [--smoke]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import heapq
 import os
 import secrets
 import statistics
@@ -54,6 +54,7 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.support.common import KIB, MIB, pct, scheduler_batches
 from tests.support.redis_server import RedisServer
 from tiering.keys import OffloadKey, make_offload_key
 from tiering.tier import TierContext
@@ -61,8 +62,6 @@ from tiers.redis import RedisTier
 from tiers.redis import layout as redis_layout
 from tiers.redis.connection import build_client
 
-KIB = 1024
-MIB = 1024 * KIB
 BLOCK_SIZES = (64 * KIB, 1 * MIB)
 #: The variable the authenticated tier reads its key from (a fresh key per run).
 AUTH_ENV = "KVT_BENCH_REDIS_AUTH_KEY"
@@ -115,21 +114,22 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
     raw = build_client(tier.config)
     assert isinstance(raw, aioredis.Redis)
 
-    async def tier_store() -> None:
-        for lo, hi in jobs:
-            await tier.write_many(keys[lo:hi], rows[: hi - lo])
+    def stores(into: RedisTier) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            for lo, hi in jobs:
+                await into.write_many(keys[lo:hi], rows[: hi - lo])
 
-    async def tier_load() -> None:
-        for lo, hi in jobs:
-            await tier.read_many(keys[lo:hi], dest_rows[: hi - lo])
+        return run
 
-    async def auth_store() -> None:
-        for lo, hi in jobs:
-            await auth_tier.write_many(keys[lo:hi], rows[: hi - lo])
+    def loads(out_of: RedisTier) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            for lo, hi in jobs:
+                await out_of.read_many(keys[lo:hi], dest_rows[: hi - lo])
 
-    async def auth_load() -> None:
-        for lo, hi in jobs:
-            await auth_tier.read_many(keys[lo:hi], dest_rows[: hi - lo])
+        return run
+
+    tier_store, tier_load = stores(tier), loads(tier)
+    auth_store, auth_load = stores(auth_tier), loads(auth_tier)
 
     async def raw_store() -> None:
         for lo, hi in jobs:
@@ -185,29 +185,6 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
             f"{t_cpu * block / 1e3:7.1f} | {(t_cpu - r_cpu) * block / 1e3:7.1f} |"
         )
     return lines
-
-
-def python_work(rounds: int = 2000) -> int:
-    """A pure-Python scheduler-like batch: dict updates and a heap (as in benchmarks/facade.py)."""
-    d: dict[int, int] = {}
-    h: list[tuple[int, int]] = []
-    acc = 0
-    for i in range(rounds):
-        d[i & 255] = d.get(i & 255, 0) + i
-        heapq.heappush(h, (i * 7919 % 1009, i))
-        if len(h) > 64:
-            acc += heapq.heappop(h)[1]
-    return acc
-
-
-def scheduler_batches(duration: float) -> list[float]:
-    times = []
-    end = time.perf_counter() + duration
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        python_work()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 class TierFlatOut:
@@ -274,22 +251,17 @@ def bench_scheduler(url: str, block: int, job_bytes: int, seconds: float) -> lis
     try:
         for label, threshold in (("GIL held (before)", 1 << 62), ("GIL released", saved)):
             redis_layout.GIL_FREE_COPY_BYTES = threshold
-            before = scheduler_batches(seconds / 4)
+            before, _ = scheduler_batches(seconds / 4)
             with TierFlatOut(url, block, job_bytes) as load:
                 t0 = time.perf_counter()
-                busy = scheduler_batches(seconds / 2)
+                busy, _ = scheduler_batches(seconds / 2)
                 rate = load.moved / (time.perf_counter() - t0) / 1e9
-            after = scheduler_batches(seconds / 4)
-            alone = sorted(before + after)
-            busy.sort()
-
-            def pct(samples: list[float], q: float) -> float:
-                return samples[min(len(samples) - 1, int(q * len(samples)))]
-
+            after, _ = scheduler_batches(seconds / 4)
+            alone = before + after
             lines.append(
-                f"| {block // KIB:>5} KiB | {label:17} | {pct(alone, 0.5) * 1e6:7.0f} | "
-                f"{pct(alone, 0.99) * 1e6:7.0f} | {pct(busy, 0.5) / pct(alone, 0.5):5.2f}x | "
-                f"{pct(busy, 0.99) / pct(alone, 0.99):5.2f}x | {rate:5.2f} |"
+                f"| {block // KIB:>5} KiB | {label:17} | {pct(alone, 50) * 1e6:7.0f} | "
+                f"{pct(alone, 99) * 1e6:7.0f} | {pct(busy, 50) / pct(alone, 50):5.2f}x | "
+                f"{pct(busy, 99) / pct(alone, 99):5.2f}x | {rate:5.2f} |"
             )
     finally:
         redis_layout.GIL_FREE_COPY_BYTES = saved
@@ -339,7 +311,7 @@ async def main_async(args: argparse.Namespace) -> None:
             server.stop()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=128, help="data per measurement")
     parser.add_argument("--job-mib", type=int, default=4, help="bytes per job (one pipeline)")
@@ -350,7 +322,14 @@ def main() -> None:
         default=6.0,
         help="seconds per scheduler-slowdown measurement (0: skip that table)",
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few seconds: 2 MiB per measurement in 1 MiB jobs, 1 rep, short slowdown rows",
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.total_mib, args.job_mib, args.reps, args.scheduler_s = 2, 1, 1, 0.4
     os.environ[AUTH_ENV] = secrets.token_urlsafe(32)
     asyncio.run(main_async(args))
 
