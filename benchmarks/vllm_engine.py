@@ -26,12 +26,15 @@ the decode step doubles - vLLM's cost, not the offload's: ``--reserved-cpus``
 (default 1) gives every run the same binding; ``auto`` shows vLLM's default.
 
 Run: ``.venv/bin/python benchmarks/vllm_engine.py [--runs 2] [--reserved-cpus 1]``
-(re-executes itself in the environment ``scripts/vllm_cpu_env.sh`` builds).
+(re-executes itself in the environment ``scripts/vllm_cpu_env.sh`` builds);
+``--shim PATH/cpu_platform_offload_shim.py`` adds vLLM's stock spec with its
+reference synchronous copy (``shim-cpu``); ``--smoke`` is one run of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import json
 import os
@@ -42,32 +45,31 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.support.common import REPO, reexec_in_env
+
 OURS = "tiering.integrations.vllm"
-SHIM = REPO.parent / "shared" / "vllm-engine" / "cpu_platform_offload_shim.py"
+#: The reference spec's module (``CPUPlatformTieringSpec``), imported from --shim's directory.
+SHIM_MODULE = "cpu_platform_offload_shim"
 BLOCK_SIZE, ENGINE_BLOCKS, CPU_CHUNKS, WORDS = 32, 96, 48, 1000
 
 
-def reexec_in_engine_env() -> None:
-    done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "vllm_cpu_env.sh")], stdout=subprocess.PIPE, text=True
-    )
-    if done.returncode != 0:
-        sys.exit("scripts/vllm_cpu_env.sh failed; see its log above")
-    python = done.stdout.strip().splitlines()[-1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    os.execve(python, [python, *sys.argv], env)
+def engine_helper(name: str) -> Any:
+    """``tests.vllm_engine.<name>``, which runs in the engine's environment only (it imports
+    transformers): imported by name, so type-checking this script does not follow it."""
+    return importlib.import_module(f"tests.vllm_engine.{name}")
 
 
 def config(name: str, model: str, root: Path) -> dict[str, Any] | None:
-    from tests.vllm_engine.engine_run import kv_bytes_per_block
+    kv_bytes_per_block = engine_helper("engine_run").kv_bytes_per_block
 
     if name == "off":
         return None
     spec_name, spec_module = "KVTieringOffloadingSpec", OURS
     tiers: list[dict[str, Any]] = []  # ours-cpu: the connector's and our copies' own cost
     if name == "shim-cpu":  # vLLM's stock spec with the reference synchronous copy
-        spec_name, spec_module = "CPUPlatformTieringSpec", "cpu_platform_offload_shim"
+        spec_name, spec_module = "CPUPlatformTieringSpec", SHIM_MODULE
     elif name == "ours-fs":
         tiers = [{"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(root)}]
     elif name == "vllm-fs":
@@ -86,13 +88,19 @@ def config(name: str, model: str, root: Path) -> dict[str, Any] | None:
 
 
 def run(
-    work: Path, name: str, index: int, model: str, reserved_cpus: str = "auto"
+    work: Path,
+    name: str,
+    index: int,
+    model: str,
+    reserved_cpus: str = "auto",
+    shim: Path | None = None,
 ) -> dict[str, Any]:
     schedule = [["A1", 0, WORDS, 32]] + [[f"F{i}", i, WORDS, 32] for i in range(1, 5)]
     schedule.append(["A2", 0, WORDS, 32])
+    result_path = work / f"{name}-{index}.json"
     spec = {
         "model": model,
-        "out": str(work / f"{name}-{index}.json"),
+        "out": str(result_path),
         "kv_transfer_config": config(name, model, work / f"{name}-{index}-root"),
         "schedule": schedule,
         "block_size": BLOCK_SIZE,
@@ -109,7 +117,9 @@ def run(
             stderr=subprocess.STDOUT,
             env={
                 **os.environ,
-                "PYTHONPATH": os.pathsep.join([str(REPO), str(SHIM.parent)]),
+                "PYTHONPATH": os.pathsep.join(
+                    [str(REPO), *([str(shim.parent)] if shim is not None else [])]
+                ),
                 **(
                     {}
                     if reserved_cpus == "auto"
@@ -119,18 +129,26 @@ def run(
         )
     if done.returncode != 0:
         sys.exit(f"engine run {name} failed; see {log}")
-    result: dict[str, Any] = json.loads(Path(spec["out"]).read_text())
+    result: dict[str, Any] = json.loads(result_path.read_text())
     return result
 
 
-def main() -> int:
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        reexec_in_engine_env()
-    sys.path.insert(0, str(REPO))
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--shim",
+        type=Path,
+        default=None,
+        help="vLLM's reference synchronous copy (cpu_platform_offload_shim.py, shipped with "
+        "the vllm-engine material): adds a shim-cpu row, its CPU-tier-only step time "
+        "(default: none, no such row)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one run of each configuration (each starts an engine: minutes, not seconds)",
+    )
     parser.add_argument(
         "--reserved-cpus",
         default="1",
@@ -138,13 +156,23 @@ def main() -> int:
         "with and without offloading); 'auto' keeps vLLM's default, which reserves one more core "
         "whenever a KV connector is configured",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)  # before the environment: --help and errors need none
     if args.reserved_cpus != "auto" and not args.reserved_cpus.isdigit():
         parser.error("--reserved-cpus must be a number of cores or 'auto'")
-    from tests.vllm_engine.tiny_model import build
+    if args.shim is not None and not args.shim.is_file():
+        parser.error(f"--shim {args.shim}: no such file")
+    if args.shim is not None and args.shim.stem != SHIM_MODULE:
+        parser.error(f"--shim must name {SHIM_MODULE}.py (the spec module it holds)")
+    if args.smoke:
+        args.runs = 1
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        reexec_in_env("vllm_cpu_env.sh", {"HF_HUB_OFFLINE": "1"})
+    build = engine_helper("tiny_model").build
 
     names = ["off", "ours-cpu", "ours-fs", "vllm-fs"]
-    if SHIM.exists():  # the reference copy from shared/vllm-engine, where present
+    if args.shim is not None:  # vLLM's reference copy, where given
         names.insert(1, "shim-cpu")
     rows: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="vllm-engine-bench-") as tmp:
@@ -153,7 +181,7 @@ def main() -> int:
         for index in range(args.runs):
             order = names if index % 2 == 0 else names[::-1]
             for name in order:
-                result = run(work, name, index, model, args.reserved_cpus)
+                result = run(work, name, index, model, args.reserved_cpus, args.shim)
                 by_name = {r["name"]: r for r in result["results"]}
                 steps = [r["decode_step_s"] for r in result["results"] if "decode_step_s" in r]
                 row = {
