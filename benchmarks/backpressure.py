@@ -29,18 +29,22 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.support.common import KIB, print_aligned_table
 from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.manager import TieringOffloadingManager
 from tiering.primary import CPUPrimaryTier
 from tiering.runtime.facade import AsyncTierManager
 from tiers.memory import MemoryTier
 
-KIB = 1024
 BLOCK_BYTES = 64 * KIB
 P99_TARGET = 1.25
 
@@ -229,9 +233,7 @@ def main(argv: Any = None) -> int:
         )
         for r in (alone, free, throttled, unguarded)
     ]
-    widths = [max(len(c[i]) for c in [header, *rows]) for i in range(len(header))]
-    for line in [header, tuple("-" * w for w in widths), *rows]:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+    print_aligned_table(header, rows)
     ratio = throttled.step_p99_us / alone.step_p99_us
     against_free = throttled.step_p99_us / free.step_p99_us
     counted = throttled.prometheus_dropped == float(throttled.published_dropped)

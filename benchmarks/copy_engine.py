@@ -19,19 +19,25 @@ Figures are medians of ``--reps`` runs (31 by default: with 7, one row in
 three runs fell 19-46 points below its neighbours' figure from the host's
 bursts; a run takes about 20 s either way, most of it building the arrays);
 machines are noisy, compare ratios.
-Run: ``.venv/bin/python benchmarks/copy_engine.py [--job-mib 64] [--reps 31]``.
+Run: ``.venv/bin/python benchmarks/copy_engine.py [--job-mib 64] [--reps 31] [--smoke]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.support.common import KIB, MIB, print_aligned_table
 from tiering.copy import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -44,8 +50,6 @@ from tiering.copy import (
 from tiering.host_buffer import HostBuffer
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
-KIB = 1024
-MIB = 1024 * KIB
 BLOCK_SIZES = (64 * KIB, 256 * KIB, 2 * MIB)
 
 
@@ -63,23 +67,14 @@ def page_aligned(rows: int, cols: int, seed: int) -> np.ndarray[Any, np.dtype[np
     return arr
 
 
-def median_seconds(fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up: first touch, thread start, caches
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def paired_median_seconds(
     fn: Callable[[], None], ceiling: Callable[[], None], reps: int
 ) -> tuple[float, float]:
     """Medians of ``fn`` and ``ceiling`` timed alternately, so both see the same machine load."""
     fn()
     ceiling()
-    fn_times, ceiling_times = [], []
+    fn_times: list[float] = []
+    ceiling_times: list[float] = []
     for _ in range(reps):
         for f, times in ((fn, fn_times), (ceiling, ceiling_times)):
             start = time.perf_counter()
@@ -141,7 +136,7 @@ def host_rows_for(
         [CanonicalKVCacheTensor(t, page) for t in tensors],
         [[CanonicalKVCacheRef(i, page) for i in range(layers)]],
     )
-    rows = []
+    rows: list[tuple[str, ...]] = []
     with HostBuffer.create(num_cpu, required_cpu_block_bytes([page] * layers)) as host:
         host.as_numpy()[:] = 1  # first touch outside the timing
         worker = make_copy_worker(kv, host, engine="host")
@@ -150,7 +145,7 @@ def host_rows_for(
             for label, store in (("store", True), ("load", False)):
                 moved = per_job * block
                 seconds, memcpy_s = paired_median_seconds(
-                    lambda s=store, r=runner: r.run(s), memcpy_of(moved), reps
+                    functools.partial(runner.run, store), memcpy_of(moved), reps
                 )
                 gbps = moved / seconds / 1e9
                 ceiling = moved / memcpy_s / 1e9
@@ -171,10 +166,7 @@ def host_rows_for(
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:
-    header = ("engine", "block", "direction", "GB/s", "memcpy GB/s", "ratio")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("  ".join(str(cell).rjust(w) for cell, w in zip(row, widths, strict=True)))
+    print_aligned_table(("engine", "block", "direction", "GB/s", "memcpy GB/s", "ratio"), rows)
 
 
 def main(argv: Any = None) -> None:
@@ -182,7 +174,10 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--job-mib", type=int, default=64, help="bytes moved per job (MiB)")
     parser.add_argument("--reps", type=int, default=31, help="timed repetitions per row")
     parser.add_argument("--no-layers", action="store_true", help="skip the 8-layer rows")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: 1 MiB jobs, 1 rep")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.job_mib, args.reps = 1, 1
     job_bytes = args.job_mib * MIB
     rows: list[tuple[str, ...]] = []
     for block in BLOCK_SIZES:

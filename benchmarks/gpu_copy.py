@@ -16,7 +16,8 @@ in this run only.
 ``--device simulated`` runs the same code on the simulated device (host
 memory, CUDA's ordering rules): a smoke run of the benchmark itself, whose
 figures mean nothing. ``--json PATH`` also writes the rows and verdicts.
-Run: ``python benchmarks/gpu_copy.py [--job-mib 64] [--reps 21]``.
+Run: ``python benchmarks/gpu_copy.py [--job-mib 64] [--reps 21]``; ``--smoke`` (1 MiB
+jobs, one rep) checks the script in seconds, with ``--device simulated`` anywhere.
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.support.common import KIB, MIB, median_seconds, print_aligned_table
 from tiering.copy import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -44,8 +49,6 @@ from tiering.copy.cuda.simulated import SimulatedCudaDevice
 from tiering.host_buffer import HostBuffer
 from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
-KIB = 1024
-MIB = 1024 * KIB
 #: (label, layers, page bytes)
 SHAPES = [
     ("64 KiB", 1, 64 * KIB),
@@ -97,7 +100,7 @@ class Device:
         """GB/s of one pinned copy of ``nbytes``, per direction (True: device -> host)."""
         if self.sim is not None:
             a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-            seconds = median(lambda: b.copy_(a), reps)
+            seconds = median_seconds(lambda: b.copy_(a), reps)
             return {True: nbytes / seconds / 1e9, False: nbytes / seconds / 1e9}
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -121,16 +124,6 @@ class Device:
     def close(self) -> None:
         if self.sim is not None:
             self.sim.close()
-
-
-def median(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def draw_jobs(num_gpu: int, num_cpu: int, per_job: int) -> list[tuple[list[int], list[int]]]:
@@ -160,7 +153,7 @@ def time_worker(
         submit(job_id, store, gpu_ids, cpu_ids)
         wait(job_id)
 
-    return median(one, reps)
+    return median_seconds(one, reps)
 
 
 class OurWorker:
@@ -334,9 +327,7 @@ def print_table(rows: list[Row]) -> None:
         )
         for r in rows
     ]
-    widths = [max(len(c[i]) for c in [header, *cells]) for i in range(len(header))]
-    for line in [header, tuple("-" * w for w in widths), *cells]:
-        print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+    print_aligned_table(header, cells)
 
 
 def main(argv: Any = None) -> int:
@@ -345,7 +336,12 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--job-mib", type=int, default=64, help="bytes moved per job (MiB)")
     parser.add_argument("--reps", type=int, default=21, help="timed repetitions per row")
     parser.add_argument("--json", help="also write the rows and verdicts to this file")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a few seconds: 1 MiB jobs, 1 rep (any --device)"
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.job_mib, args.reps = 1, 1
     if args.job_mib < 1 or args.reps < 1:
         parser.error("--job-mib and --reps must be at least 1")
     device = Device(args.device)

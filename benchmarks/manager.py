@@ -16,7 +16,7 @@ prepare/complete_load) in the same run: the difference is the manager's and the 
 cost. Target: < 10 us per block per cycle and flat from 10k to 1M blocks. Medians of
 ``--reps`` runs; the machine is shared and noisy, compare ratios.
 
-Run: ``.venv/bin/python benchmarks/manager.py [--batch 128] [--rounds 100] [--reps 5]``.
+Run: ``.venv/bin/python benchmarks/manager.py [--batch 128] [--rounds 100] [--reps 5] [--smoke]``.
 """
 
 from __future__ import annotations
@@ -190,13 +190,20 @@ def run(num_blocks: int, batch: int, rounds: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=128, help="blocks per request (job)")
     parser.add_argument("--rounds", type=int, default=100, help="batches per measurement")
     parser.add_argument("--reps", type=int, default=5, help="measurements per size (median)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 1_000_000])
-    args = parser.parse_args()
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few seconds: 1k and 10k blocks, small batches, 1 rep",
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.batch, args.rounds, args.reps, args.sizes = 16, 10, 1, [1_000, 10_000]
 
     results: dict[int, dict[str, float]] = {}
     for num_blocks in args.sizes:

@@ -1,6 +1,7 @@
 """Per-block metadata cost of the CPU primary tier's policies at 10k / 100k / 1M blocks.
 
 Usage: ``.venv/bin/python benchmarks/primary.py [--sizes 10000,100000,1000000] [--batch 256]``
+(``--smoke``: a few seconds)
 
 Metadata only: the buffer has 1 byte per block (``require_alignment=False``)
 and is never touched. Two phases per (policy, size):
@@ -190,7 +191,7 @@ def dict_floor_pressure(size: int, batch: int, blocks: int, rng: random.Random) 
     return total / blocks
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10000,100000,1000000")
     parser.add_argument("--policies", default="lru,arc,kvaware")
@@ -199,7 +200,19 @@ def main() -> None:
     parser.add_argument("--pressure-blocks", type=int, default=300_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--trials", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few seconds: 1k and 10k blocks, 10k blocks timed per phase, one trial",
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.min_blocks, args.pressure_blocks, args.trials = (
+            "1000,10000",
+            10_000,
+            10_000,
+            1,
+        )
     sizes = [int(s) for s in args.sizes.split(",")]
     policies = args.policies.split(",")
     rng = random.Random(args.seed)
