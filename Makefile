@@ -1,6 +1,7 @@
 # Two commands for a fresh machine:
 #   make demo   replays the built-in synthetic workload through the real stack
 #   make test   installs everything (virtualenv, torch==2.13.0 first) and runs ruff, mypy, pytest
+#               (which also builds the docs site with --strict)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -35,8 +36,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The CUDA engine's tests run once, under coverage (cuda-coverage), not here as well.
 unit: $(STAMP)
-	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q --durations=10 $(addprefix --ignore=,$(CUDA_TESTS))
 
 # The documentation site, into the git-ignored site/; --strict fails on a broken link or
 # anchor, a page missing from mkdocs.yml's nav, or a nav entry without a page.
@@ -54,7 +56,8 @@ cuda-coverage: $(STAMP)
 mutation-check: $(STAMP)
 	HYPOTHESIS_PROFILE=no-shrink $(PY) scripts/mutation_check.py
 
-test: docs lint typecheck unit cuda-coverage
+# The docs site is built (--strict) once, by tests/test_docs_code.py inside `unit`.
+test: lint typecheck unit cuda-coverage
 
 # On the accelerator machine (no network, no venv: its own python3 with torch): the CUDA
 # engine's tests on the GPU, the GPU benchmark and a byte-exact soak, one summary

@@ -11,7 +11,7 @@ from tests.support.redis_server import (
     RedisClusterServers,
     RedisServer,
     redis_cluster,  # noqa: F401
-    redis_server,  # noqa: F401
+    shared_redis_server,  # noqa: F401
 )
 from tiering.testing.conformance import conformance_tests
 from tiers.redis import RedisTier
@@ -19,8 +19,9 @@ from tiers.redis import RedisTier
 pytestmark = pytest.mark.redis
 
 
-def standalone_tier(redis_server: RedisServer) -> RedisTier:
-    return RedisTier(url=redis_server.url, namespace="kit-" + os.urandom(4).hex())
+def standalone_tier(shared_redis_server: RedisServer) -> RedisTier:
+    # One server for every check: each tier has a namespace of its own.
+    return RedisTier(url=shared_redis_server.url, namespace="kit-" + os.urandom(4).hex())
 
 
 def cluster_tier(redis_cluster: RedisClusterServers) -> RedisTier:

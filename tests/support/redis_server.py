@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import pytest
 import redis
@@ -37,6 +38,13 @@ _START_TIMEOUT_S = 30.0
 #: Fresh ports tried when another process took the chosen one before the server bound it.
 _PORT_ATTEMPTS = 5
 CLUSTER_NODES = 3
+
+
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Stoppable)
 
 
 def _install_hint() -> str:
@@ -426,41 +434,44 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
                 server.stop()
 
 
-class _SharedCluster:
-    """One cluster for the whole session, however many test modules import the fixture.
+class _Shared(Generic[S]):
+    """One server (or cluster) for the whole session, however many modules import its fixture.
 
     pytest registers an imported fixture once per module, so a plain session
-    fixture would start a cluster per module; this counts the users instead.
+    fixture would start one per module; this counts the users instead.
     """
 
-    def __init__(self) -> None:
-        self.cluster: RedisClusterServers | None = None
+    def __init__(self, prefix: str, start: Callable[[Path], S]) -> None:
+        self.prefix = prefix
+        self.start = start
+        self.server: S | None = None
         self.workdir: tempfile.TemporaryDirectory[str] | None = None
         self.users = 0
 
-    def acquire(self) -> RedisClusterServers:
-        if self.cluster is None:
-            self.workdir = tempfile.TemporaryDirectory(prefix="kvt-redis-cluster-")
+    def acquire(self) -> S:
+        if self.server is None:
+            self.workdir = tempfile.TemporaryDirectory(prefix=self.prefix)
             try:
-                self.cluster = RedisClusterServers(Path(self.workdir.name)).start()
+                self.server = self.start(Path(self.workdir.name))
             except BaseException:
                 self.workdir.cleanup()
                 self.workdir = None
                 raise
         self.users += 1
-        return self.cluster
+        return self.server
 
     def release(self) -> None:
         self.users -= 1
-        if self.users == 0 and self.cluster is not None:
-            self.cluster.stop()
-            self.cluster = None
+        if self.users == 0 and self.server is not None:
+            self.server.stop()
+            self.server = None
             if self.workdir is not None:
                 self.workdir.cleanup()
                 self.workdir = None
 
 
-_shared_cluster = _SharedCluster()
+_shared_cluster = _Shared("kvt-redis-cluster-", lambda d: RedisClusterServers(d).start())
+_shared_server = _Shared("kvt-redis-shared-", lambda d: RedisServer(d).start())
 
 
 @pytest.fixture(scope="session")
@@ -471,6 +482,18 @@ def redis_cluster() -> Iterator[RedisClusterServers]:
         yield cluster
     finally:
         _shared_cluster.release()
+
+
+@pytest.fixture(scope="session")
+def shared_redis_server() -> Iterator[RedisServer]:
+    """A standalone redis-server shared by the session, for tests that keep to a namespace of
+    their own and need nothing of the server itself (a fault, TLS or restart test takes
+    :func:`redis_server` instead: a fresh one)."""
+    server = _shared_server.acquire()
+    try:
+        yield server
+    finally:
+        _shared_server.release()
 
 
 @pytest.fixture(scope="session")
