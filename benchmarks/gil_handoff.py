@@ -93,7 +93,7 @@ def scheduler_steps(seconds: float, forward_s: float, step_s: float) -> list[flo
     """Sleep, then Python, for ``seconds``; each sleep's overrun."""
     wakes: list[float] = []
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    while not wakes or time.perf_counter() < end:  # one step at least, however late
         slept = time.perf_counter()
         time.sleep(forward_s)
         wakes.append(time.perf_counter() - slept - forward_s)
@@ -121,6 +121,10 @@ def run_loop(hold_ms: float | None, args: argparse.Namespace, with_scheduler: bo
         stop.set()
         future.result(timeout=60)
     return Row(label, wakes, work_per_s=work / elapsed)
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "-"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,9 +195,9 @@ def main(argv: list[str] | None = None) -> None:
                     f"{pct(row.wake_s, 50) * 1e6:,.0f}",
                     f"{pct(row.wake_s, 99) * 1e6:,.0f}",
                     f"{max(row.wake_s) * 1e6:,.0f}",
-                    f"{row.work_per_s:,.0f}/s ({row.work_per_s / base.work_per_s:.2f}x)",
+                    f"{row.work_per_s:,.0f}/s ({_ratio(row.work_per_s, base.work_per_s)})",
                     f"{row.work_alone_per_s:,.0f}/s "
-                    f"({row.work_alone_per_s / base.work_alone_per_s:.2f}x)",
+                    f"({_ratio(row.work_alone_per_s, base.work_alone_per_s)})",
                 )
             )
         print_markdown_table(header, lines)

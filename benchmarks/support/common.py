@@ -79,16 +79,16 @@ def scheduler_batches(
     Returns each batch's seconds and the mean wall seconds of one iteration
     (the batch, ``between`` and any wait for the GIL either incurs).
     """
-    times = []
+    times: list[float] = []
     started = time.perf_counter()
     end = started + duration
-    while time.perf_counter() < end:
+    while not times or time.perf_counter() < end:  # one batch at least, however late
         t0 = time.perf_counter()
         python_work()
         times.append(time.perf_counter() - t0)
         if between is not None:
             between()
-    return times, (time.perf_counter() - started) / max(1, len(times))
+    return times, (time.perf_counter() - started) / len(times)
 
 
 def reexec_in_env(builder: str, env: dict[str, str]) -> NoReturn:

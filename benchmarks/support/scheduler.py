@@ -260,7 +260,9 @@ def run_steps(
     end = time.perf_counter() + seconds
     collections = SCHEDULER_COLLECTIONS
     switches = thread_switches
-    while time.perf_counter() < end:
+    first = True
+    while first or time.perf_counter() < end:  # one step at least, however late
+        first = False
         before = collections.count
         waits0, preemptions0 = switches()
         cpu0 = time.thread_time()
