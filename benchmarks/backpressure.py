@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.support.common import KIB, print_aligned_table
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.manager import TieringOffloadingManager
 from tiering.primary import CPUPrimaryTier
 from tiering.runtime.facade import AsyncTierManager

@@ -47,8 +47,8 @@ from tiering.copy import (
     make_copy_worker,
     required_cpu_block_bytes,
 )
-from tiering.host_buffer import HostBuffer
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.primary.host_buffer import HostBuffer
 
 BLOCK_SIZES = (64 * KIB, 256 * KIB, 2 * MIB)
 

@@ -78,8 +78,8 @@ from benchmarks.support.fs_drive import (
     report_mac,
     run_jobs,
 )
-from tiering.jobs import JobMetadata
-from tiering.native_probe import describe_cpu
+from tiering.core.jobs import JobMetadata
+from tiering.support.native_probe import describe_cpu
 
 VLLM_ENV_BUILDER = REPO / "scripts" / "vllm_env.sh"
 CASES = {"2MiB": 2 * MIB, "64KiB": 64 * KIB}

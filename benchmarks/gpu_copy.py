@@ -46,8 +46,8 @@ from tiering.copy import (
     required_cpu_block_bytes,
 )
 from tiering.copy.cuda.simulated import SimulatedCudaDevice
-from tiering.host_buffer import HostBuffer
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.primary.host_buffer import HostBuffer
 
 #: (label, layers, page bytes)
 SHAPES = [

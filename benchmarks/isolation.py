@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.support.common import KIB, pct, print_markdown_table
 from benchmarks.support.scheduler import P50_TARGET, P99_TARGET, Phase, ToyScheduler, run_steps
-from tiering.host_buffer import HostBuffer, make_shared_name
-from tiering.jobs import JobMetadata
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.jobs import JobMetadata
+from tiering.core.keys import OffloadKey, make_offload_key
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
 from tiering.runtime import AsyncTierManager
 from tiers.memory import MemoryTier
 

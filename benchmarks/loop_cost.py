@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.support.common import print_markdown_table
 from benchmarks.support.rigs import NULL_TIER, TIERS, Skip, open_tier, thread_cpu
-from tiering.jobs import JobMetadata
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.jobs import JobMetadata
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
 
 

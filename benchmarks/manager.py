@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tiering.jobs import JobMetadata
-from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext, make_offload_key
+from tiering.core.jobs import JobMetadata
+from tiering.core.keys import NO_CONTEXT, OffloadKey, ReqContext, make_offload_key
 from tiering.manager import TieringOffloadingManager
 from tiering.primary import CPUPrimaryTier
 from tiering.runtime.facade import AsyncTierManager

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.primary import CPUPrimaryTier
 
 FILL_OPS = ("prepare_store", "complete_store", "lookup", "touch", "prepare_load", "complete_load")

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.support.common import KIB, MIB, pct, scheduler_batches
 from tests.support.redis_server import RedisServer
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.tier import TierContext
 from tiers.redis import RedisTier
 from tiers.redis import layout as redis_layout

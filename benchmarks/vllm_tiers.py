@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from vllm.v1.kv_offload.tiering.fs import io as vllm_fs_io
 
-    from tiering.native_probe import describe_cpu
+    from tiering.support.native_probe import describe_cpu
 
     print(f"# CPU: {describe_cpu()}")
     ours = our_tiers()

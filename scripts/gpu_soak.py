@@ -40,7 +40,7 @@ from tiering.copy import (
 )
 from tiering.copy.cuda.device import CudaDevice
 from tiering.copy.cuda.simulated import SimulatedCudaDevice
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 PAGES = [2048, 8192, 4096]
 GROUPS = [[(0, 2048), (1, 6000)], [(2, 4096), (0, 1500)]]

@@ -28,7 +28,7 @@ from tiering.copy import (
 from tiering.copy.cuda.device import CudaDevice
 from tiering.copy.cuda.pins import PinRegistry
 from tiering.copy.cuda.simulated import SimulatedCudaDevice
-from tiering.host_buffer import HostBuffer
+from tiering.primary.host_buffer import HostBuffer
 
 #: What the host buffer holds where no copy may write.
 SENTINEL = 0x5A

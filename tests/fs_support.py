@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.tier import TierContext
 from tiers.fs import FileSystemTier
 from tiers.fs.io import IoBackend, IoOp, OpKind

@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
-from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext, make_offload_key
+from tiering.core.jobs import JobMetadata, JobResult, SecondaryTierManager
+from tiering.core.keys import NO_CONTEXT, OffloadKey, ReqContext, make_offload_key
+from tiering.core.specs import BlockIDsLoadStoreSpec, LoadStoreSpec
 from tiering.manager import TieringOffloadingManager
 from tiering.primary import CPUPrimaryTier
 from tiering.runtime.facade import AsyncTierManager
-from tiering.specs import BlockIDsLoadStoreSpec, LoadStoreSpec
 from tiering.tier import AsyncTier
 from tiers.memory import MemoryTier
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tiering.errors import BlockNotFound, TierClosedError
-from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.errors import BlockNotFound, TierClosedError
+from tiering.core.jobs import JobMetadata, JobResult
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
 from tiering.tier import AsyncTier
 from tiers.memory import MemoryTier

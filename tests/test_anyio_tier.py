@@ -22,8 +22,8 @@ import anyio.to_thread
 import numpy as np
 
 from tests.runtime_support import key, load, results, store
-from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
-from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.core.errors import BlockNotFound, CorruptBlock, PartialBatchError
+from tiering.core.keys import NO_CONTEXT, OffloadKey
 from tiering.runtime import AsyncTierManager
 from tiering.testing.conformance import conformance_tests
 from tiering.tier import AsyncTier

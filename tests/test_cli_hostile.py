@@ -317,7 +317,7 @@ def test_a_trace_number_of_thousands_of_digits_is_one_line(
 
 def test_a_huge_python_integer_in_a_config_dict_is_named_not_printed() -> None:
     from tiering.config import TieringConfig
-    from tiering.errors import ConfigError
+    from tiering.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"cpu_bytes_to_use=<an integer of about \d+ digits>"):
         TieringConfig.from_extra_config({"cpu_bytes_to_use": 10**6000})

@@ -16,8 +16,8 @@ import pytest
 
 from tests.manager_helpers import key, leftover_threads, settle
 from tiering.config import BlockGeometry, TieringConfig
-from tiering.errors import ConfigError, TierClosedError
-from tiering.keys import NO_CONTEXT
+from tiering.core.errors import ConfigError, TierClosedError
+from tiering.core.keys import NO_CONTEXT
 from tiering.primary import CPUPrimaryTier
 from tiering.spec import TieringOffloadingSpec
 from tiering.tier import TierContext
@@ -475,7 +475,7 @@ def test_tier_that_fails_to_open_shuts_down_the_tiers_built_before(no_new_thread
 
 
 def test_byte_sizes_take_units_in_every_config_of_ours() -> None:
-    from tiering.units import config_bytes
+    from tiering.support.units import config_bytes
 
     assert config_bytes("x", "8MiB") == 8 << 20 and config_bytes("x", 4096) == 4096
     tier = MemoryTier(capacity_bytes="64KiB")

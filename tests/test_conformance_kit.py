@@ -17,8 +17,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from tiering.errors import BlockNotFound
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound
+from tiering.core.keys import OffloadKey
 from tiering.testing.conformance import (
     CHECKS,
     SEED_ENV,

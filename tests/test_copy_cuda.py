@@ -40,9 +40,9 @@ from tiering.copy.cuda.engine import default_device
 from tiering.copy.cuda.pins import PinRegistry
 from tiering.copy.cuda.simulated import SimulatedCudaDevice
 from tiering.copy.cuda.torch_device import TorchCudaDevice, _CudaRuntime
-from tiering.errors import TierClosedError
-from tiering.host_buffer import HostBuffer
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.errors import TierClosedError
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.primary.host_buffer import HostBuffer
 
 # -- the copy functions, on CPU tensors ---------------------------------------------------
 

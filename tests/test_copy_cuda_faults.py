@@ -28,7 +28,7 @@ from tiering.copy.cuda.simulated import (
     DEVICE_ADDRESS_OFFSET,
     SimulatedCudaDevice,
 )
-from tiering.specs import CPULoadStoreSpec
+from tiering.core.specs import CPULoadStoreSpec
 
 ROW = required_cpu_block_bytes(TWO_GROUPS[0], 1)
 ENGINE_LOG = "tiering.copy.cuda"

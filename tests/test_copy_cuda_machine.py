@@ -42,7 +42,7 @@ from tiering.copy import (
     required_cpu_block_bytes,
 )
 from tiering.copy.cuda.simulated import SimulatedCudaDevice
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 GPU_BLOCKS = 10
 CPU_BLOCKS = 6

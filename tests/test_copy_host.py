@@ -36,9 +36,9 @@ from tiering.copy import (
     required_cpu_block_bytes,
 )
 from tiering.copy.plan import TransferPlan, plan_transfer
-from tiering.errors import ContractError, TierClosedError
-from tiering.host_buffer import HostBuffer
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.errors import ContractError, TierClosedError
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.primary.host_buffer import HostBuffer
 
 REPO = Path(__file__).resolve().parents[1]
 SENTINEL = 0xA5
@@ -730,8 +730,8 @@ CHILD = textwrap.dedent(
     import sys
     import numpy as np
     from tiering.copy import CanonicalKVCaches, CanonicalKVCacheTensor, make_copy_worker
-    from tiering.host_buffer import HostBuffer
-    from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+    from tiering.primary.host_buffer import HostBuffer
+    from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
     name, num_blocks, block_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     host = HostBuffer.attach(name, num_blocks, block_bytes)

@@ -15,8 +15,8 @@ from tiering.copy import (
     required_cpu_block_bytes,
 )
 from tiering.copy.plan import byte_runs
-from tiering.errors import ContractError
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.errors import ContractError
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
 
 def make_layout(

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tests.runtime_support import key, load, one_result, store
-from tiering.errors import BlockNotFound, ConfigError, CorruptBlock
-from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.core.errors import BlockNotFound, ConfigError, CorruptBlock
+from tiering.core.keys import NO_CONTEXT, OffloadKey
 from tiering.registry import create_secondary_tier
 from tiering.testing.conformance import conformance_tests
 from tiering.tier import TierContext

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 import pytest
 
 from tests.runtime_support import key
-from tiering.errors import BlockNotFound, CorruptBlock
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound, CorruptBlock
+from tiering.core.keys import OffloadKey
 from tiering.testing.conformance import check_tier, run_check
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiering.tier import AsyncTier, TierContext

@@ -19,11 +19,11 @@ import xxhash
 
 from tests.runtime_support import fill, load, one_result, primary, store
 from tests.runtime_support import key as rkey
-from tiering.auth import BlockAuthenticator
-from tiering.errors import ConfigError, CorruptBlock
-from tiering.keys import OffloadKey
+from tiering.core.errors import ConfigError, CorruptBlock
+from tiering.core.keys import OffloadKey
 from tiering.registry import tier_options
 from tiering.runtime import AsyncTierManager
+from tiering.tier.auth import BlockAuthenticator
 from tiers.fs import FileSystemTier
 from tiers.fs.files import RootDir
 from tiers.fs.journal_file import write_snapshot

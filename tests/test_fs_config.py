@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.tier import TierContext
 from tiers.fs import FileSystemTier
 from tiers.fs.config import DEFAULT_CAPACITY_BYTES, GiB, MiB, parse_size

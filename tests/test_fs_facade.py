@@ -8,7 +8,7 @@ import numpy as np
 
 from tests.fs_support import flip_byte, slot_location
 from tests.runtime_support import fill, key, load, one_result, primary, results, store, wait_until
-from tiering.keys import NO_CONTEXT
+from tiering.core.keys import NO_CONTEXT
 from tiering.runtime import AsyncTierManager
 from tiers.fs import FileSystemTier
 

@@ -29,7 +29,7 @@ from tests.fs_support import (
     slot_location,
     write_keys,
 )
-from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
+from tiering.core.errors import BlockNotFound, CorruptBlock, PartialBatchError
 from tiers.fs.io import OpKind
 from tiers.fs.layout import JOURNAL_NAME
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound, ConfigError, PartialBatchError
+from tiering.core.keys import OffloadKey
 from tiers.fs import FileSystemTier
 from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.files import UnsafeFileError

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiering.policies import EvictionPolicy, make_policy
 from tiers.fs.index import Entry, SlotIndex
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tiering.errors import ConfigError, CorruptBlock
-from tiering.keys import OffloadKey
+from tiering.core.errors import ConfigError, CorruptBlock
+from tiering.core.keys import OffloadKey
 from tiers.fs.journal_file import SNAPSHOT_RECORD_ENTRIES
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 from tiers.fs.records import HEADER_BYTES, iter_records

@@ -23,7 +23,7 @@ from tests.fs_support import (
     slab_files,
     write_keys,
 )
-from tiering.errors import BlockNotFound, ConfigError, PartialBatchError, TierClosedError
+from tiering.core.errors import BlockNotFound, ConfigError, PartialBatchError, TierClosedError
 from tiering.tier import TierContext
 from tiers.fs import RootInUseError, TierFullError
 from tiers.fs import reads as fs_reads

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiering.errors import ConfigError
-from tiering.host_buffer import SHM_DIR, HostBuffer, make_shared_name, remove_stale_shared
+from tiering.core.errors import ConfigError
+from tiering.primary.host_buffer import SHM_DIR, HostBuffer, make_shared_name, remove_stale_shared
 
 BLOCK = 4096
 
@@ -185,7 +185,7 @@ def test_as_torch_is_zero_copy() -> None:
 
 def test_importing_the_primary_tier_does_not_import_torch() -> None:
     code = (
-        "import sys, tiering, tiering.host_buffer, tiering.primary; "
+        "import sys, tiering, tiering.primary.host_buffer, tiering.primary; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -195,7 +195,7 @@ def test_importing_the_primary_tier_does_not_import_torch() -> None:
 
 _HOLDER = """
 import sys
-from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
 buffer = HostBuffer.create(2, 4096, shared_name=make_shared_name(sys.argv[1]))
 print(buffer.name, flush=True)
 sys.stdin.read()  # lives until the test closes our stdin

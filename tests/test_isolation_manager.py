@@ -32,10 +32,10 @@ from tests.runtime_support import (
     store,
     wait_until,
 )
-from tiering.errors import ConfigError, ContractError
-from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.core.errors import ConfigError, ContractError
+from tiering.core.keys import NO_CONTEXT, OffloadKey
 from tiering.isolation import IsolatedTierManager
-from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
 from tiering.runtime import Presence
 from tiering.tier import AsyncTier, TierContext
 from tiers.fs import FileSystemTier

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tiering
-from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from tiering.errors import (
+from tiering.core.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiering.core.errors import (
     BlockNotFound,
     ConfigError,
     ContractError,
@@ -19,9 +19,9 @@ from tiering.errors import (
     PartialBatchError,
     TieringError,
 )
-from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import NO_CONTEXT, ReqContext, make_offload_key, split_offload_key
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec, as_block_ids
+from tiering.core.jobs import JobMetadata, JobResult
+from tiering.core.keys import NO_CONTEXT, ReqContext, make_offload_key, split_offload_key
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, as_block_ids
 
 # -- keys -------------------------------------------------------------------------------------
 

@@ -28,8 +28,8 @@ from tests.manager_helpers import (
     store,
     write_row,
 )
-from tiering.errors import ContractError, TierClosedError
-from tiering.keys import NO_CONTEXT, ReqContext
+from tiering.core.errors import ContractError, TierClosedError
+from tiering.core.keys import NO_CONTEXT, ReqContext
 from tiering.manager import TieringOffloadingManager
 from tiering.primary import CPUPrimaryTier
 from tiering.testing.faults import FaultPlan, FaultyTier
@@ -587,7 +587,7 @@ def test_a_block_gone_from_its_tier_is_a_routine_miss_not_a_warning(
 ) -> None:
     import logging
 
-    from tiering.errors import BlockNotFound
+    from tiering.core.errors import BlockNotFound
 
     k = key(1)
 

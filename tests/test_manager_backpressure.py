@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.manager_helpers import key, make_primary, store
-from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
-from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.core.jobs import JobMetadata, JobResult, SecondaryTierManager
+from tiering.core.keys import NO_CONTEXT, OffloadKey, ReqContext
 from tiering.manager import TieringOffloadingManager
 from tiering.manager.backpressure import BEHIND_AFTER_S
 

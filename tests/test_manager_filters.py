@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.manager_helpers import key, make_primary, settle, store
-from tiering.keys import NO_CONTEXT, ReqContext
+from tiering.core.keys import NO_CONTEXT, ReqContext
 from tiering.manager import TieringOffloadingManager
 from tiering.manager.filters import ALL, TierFilter, TierMatcher, parse_tier_filter
 from tiering.registry import create_secondary_tier
@@ -147,7 +147,7 @@ def test_tiers_declare_medium_and_locality_and_events_say_where() -> None:
     ],
 )
 def test_a_bad_identity_is_refused_naming_the_key(entry: dict[str, Any], message: str) -> None:
-    from tiering.errors import ConfigError
+    from tiering.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         create_secondary_tier({"type": "memory", **entry}, make_primary(8).kv_view, position=0)

@@ -31,7 +31,7 @@ from tests.manager_helpers import (
     settle,
     write_row,
 )
-from tiering.keys import OffloadKey, ReqContext
+from tiering.core.keys import OffloadKey, ReqContext
 from tiering.manager import TieringOffloadingManager
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiers.memory import MemoryTier

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tiering.host_buffer as host_buffer
-from tiering.host_buffer import HostBuffer, make_shared_name
-from tiering.mappings import HUGE_PAGE_BYTES, huge_pages_refused, private_anonymous
+import tiering.primary.host_buffer as host_buffer
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
+from tiering.primary.mappings import HUGE_PAGE_BYTES, huge_pages_refused, private_anonymous
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -110,14 +110,14 @@ def thp_enabled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def host_buffer_log(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "tiering.host_buffer"]
+    return [r.getMessage() for r in caplog.records if r.name == "tiering.primary.host_buffer"]
 
 
 def test_the_host_buffer_logs_once_why_it_has_no_huge_pages(
     thp_enabled: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     thp_enabled.write_text("always madvise [never]\n")
-    with caplog.at_level(logging.INFO, logger="tiering.host_buffer"):
+    with caplog.at_level(logging.INFO, logger="tiering.primary.host_buffer"):
         for _ in range(3):
             with HostBuffer.create(2, HUGE_PAGE_BYTES):
                 pass
@@ -134,7 +134,7 @@ def test_the_host_buffer_says_nothing_where_huge_pages_are_granted(
 ) -> None:
     thp_enabled.write_text("always [madvise] never\n")
     with (
-        caplog.at_level(logging.INFO, logger="tiering.host_buffer"),
+        caplog.at_level(logging.INFO, logger="tiering.primary.host_buffer"),
         HostBuffer.create(2, HUGE_PAGE_BYTES),
     ):
         pass

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from tests.runtime_support import key
 from tiering.copy import bulk
-from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound, ConfigError, PartialBatchError
+from tiering.core.keys import OffloadKey
 from tiering.testing.conformance import conformance_tests
 from tiering.tier import TierContext
 from tiers.memory import ExampleTier, MemoryTier

@@ -21,11 +21,11 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from tiering.cli import main  # noqa: E402
-from tiering.errors import ConfigError  # noqa: E402
-from tiering.jobs import JobMetadata  # noqa: E402
-from tiering.keys import make_offload_key  # noqa: E402
-from tiering.metrics_secondary import SecondaryTierExport  # noqa: E402
-from tiering.metrics_server import (  # noqa: E402
+from tiering.core.errors import ConfigError  # noqa: E402
+from tiering.core.jobs import JobMetadata  # noqa: E402
+from tiering.core.keys import make_offload_key  # noqa: E402
+from tiering.metrics.secondary import SecondaryTierExport  # noqa: E402
+from tiering.metrics.server import (  # noqa: E402
     MetricsServer,
     running_metrics_server,
     serve_metrics,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tiering import native_probe
-from tiering.native_probe import probe_in_child
+from tiering.support.native_probe import probe_in_child
 
 TARGETS = "tests.support.probe_targets"
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_explicit_uring_is_refused_when_the_spec_is_built(
     private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At spec construction, before any memory is allocated: not at engine start."""
-    from tiering.errors import ConfigError
+    from tiering.core.errors import ConfigError
     from tiering.spec import TieringOffloadingSpec
     from tiers.fs.io import uring as uring_module
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.policies import ARCPolicy, KVAwarePolicy, LRUPolicy, make_policy
 from tiering.policies.base import EvictionPolicy
 from tiering.testing import (

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tests.manager_helpers import key, load_and_verify, make_facade, make_primary, settle, store
 from tiering.cli import main
 from tiering.config import TieringConfig
-from tiering.errors import ConfigError
-from tiering.keys import NO_CONTEXT
+from tiering.core.errors import ConfigError
+from tiering.core.keys import NO_CONTEXT
 from tiering.manager import TieringOffloadingManager
 from tiering.policies import AdmitAll, ReuseAdmission, resolve_admission
 from tiering.replay.offline import simulate_stack, unlimited_hit_rate

@@ -18,7 +18,7 @@ import pytest
 
 from tiering.cli import main
 from tiering.config import TieringConfig
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.policies import (
     ENTRY_POINT_GROUP,
     POLICY_NAMES,
@@ -132,7 +132,7 @@ def test_kv_connector_extra_config_accepts_vllm_spelling_and_options(importable_
     [
         ("fifo", None, r"eviction_policy must be one of lru, arc, kvaware.*got 'fifo'"),
         ("no_such_module_xyz:Policy", None, r"eviction_policy: cannot import policy"),
-        ("tiering.errors:ConfigError", None, r"not an EvictionPolicy subclass"),
+        ("tiering.core.errors:ConfigError", None, r"not an EvictionPolicy subclass"),
         ({"name": "kvaware", "bogus": 1}, None, r"eviction_policy: policy kvaware\(bogus=1\) rej"),
         ({"name": "kvaware", "protected_ghosts": -2}, None, r"protected_ghosts must be"),
         ({"probation_ghosts": 2}, None, r"eviction_policy: a mapping needs a 'name' key"),

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiering.contract import OffloadingEvent
-from tiering.errors import ConfigError, ContractError, TierClosedError
-from tiering.host_buffer import SHM_DIR, HostBuffer, make_shared_name
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.contract import OffloadingEvent
+from tiering.core.errors import ConfigError, ContractError, TierClosedError
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.specs import CPULoadStoreSpec
 from tiering.primary import CPUPrimaryTier
-from tiering.specs import CPULoadStoreSpec
+from tiering.primary.host_buffer import SHM_DIR, HostBuffer, make_shared_name
 
 POLICIES = ["lru", "arc"]
 BLOCK = 4096

@@ -25,8 +25,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tiering.errors import ContractError
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.errors import ContractError
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.primary import CPUPrimaryTier
 
 NUM_BLOCKS = 5

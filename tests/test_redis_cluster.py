@@ -18,7 +18,7 @@ from tests.support.redis_tier import (
     read_back,
     views,
 )
-from tiering.errors import BlockNotFound, CorruptBlock, PartialBatchError
+from tiering.core.errors import BlockNotFound, CorruptBlock, PartialBatchError
 from tiers.redis import HEADER_LEN, RedisTier, RedisTierUnavailable
 
 pytestmark = pytest.mark.redis

@@ -25,8 +25,8 @@ from tests.support.redis_server import (
     redis_server_factory,  # noqa: F401
 )
 from tests.support.redis_tier import count_round_trips, run_job
-from tiering.errors import ConfigError
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.errors import ConfigError
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
 from tiers.redis import RedisTier

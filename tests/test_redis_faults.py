@@ -26,7 +26,7 @@ from tests.support.redis_tier import (
     read_back,
     views,
 )
-from tiering.errors import BlockNotFound, PartialBatchError
+from tiering.core.errors import BlockNotFound, PartialBatchError
 from tiers.redis import RedisTier, RedisTierCommandError, RedisTierTimeout, RedisTierUnavailable
 
 pytestmark = pytest.mark.redis

@@ -44,12 +44,12 @@ from tests.support.redis_tier import (
     run_job,
     views,
 )
-from tiering.auth import BlockAuthenticator
-from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.errors import BlockNotFound, ConfigError, PartialBatchError
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
 from tiering.spec import TieringOffloadingSpec
+from tiering.tier.auth import BlockAuthenticator
 from tiers.redis import RedisTier
 from tiers.redis.deletes import delete_rejected
 from tiers.redis.errors import RejectedValue

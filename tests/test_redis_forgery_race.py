@@ -23,10 +23,10 @@ import pytest
 
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.support.redis_tier import run_job
-from tiering.auth import BlockAuthenticator
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
+from tiering.tier.auth import BlockAuthenticator
 from tiers.redis.layout import BlockLayout
 
 pytestmark = pytest.mark.redis

@@ -10,9 +10,9 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiering.auth import BlockAuthenticator
-from tiering.errors import ConfigError, CorruptBlock
-from tiering.keys import make_offload_key
+from tiering.core.errors import ConfigError, CorruptBlock
+from tiering.core.keys import make_offload_key
+from tiering.tier.auth import BlockAuthenticator
 from tiers.redis import HEADER_LEN, BlockLayout, RedisTier, RedisTierConfig
 from tiers.redis import layout as layout_module
 from tiers.redis.errors import RejectedValue

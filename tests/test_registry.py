@@ -13,7 +13,7 @@ from tests.runtime_support import (
     assert_store_load_lookup,
     primary,
 )
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.registry import (
     BUILTIN_TIERS,
     ENTRY_POINT_GROUP,
@@ -235,8 +235,8 @@ def test_entries_written_for_vllm_run_our_tiers_without_vllm(
 
 
 def test_isolation_process_runs_the_tier_in_a_child_process(tmp_path: Any) -> None:
-    from tiering.host_buffer import HostBuffer, make_shared_name
     from tiering.isolation import IsolatedTierManager
+    from tiering.primary.host_buffer import HostBuffer, make_shared_name
 
     with HostBuffer.create(8, 4096, shared_name=make_shared_name("registry")) as host:
         config = {"type": "memory", "capacity_blocks": 4, "isolation": "process"}
@@ -261,7 +261,7 @@ class LocalOnly(MemoryTier):
 def test_isolation_is_checked_before_anything_starts(view: memoryview) -> None:
     import threading
 
-    from tiering.host_buffer import HostBuffer, make_shared_name
+    from tiering.primary.host_buffer import HostBuffer, make_shared_name
 
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*isolation must be one of"):
         create_secondary_tier({"type": "memory", "isolation": "fork"}, view, position=0)
@@ -284,8 +284,8 @@ def test_a_spec_with_an_isolated_tier_shares_its_primary_buffer() -> None:
     """The tier's process copies blocks out of and back into the spec's primary buffer:
     a round trip through it returns the bytes (it could not, on a private copy)."""
     from tests.manager_helpers import BLOCK_BYTES, key, load_and_verify, promote, settle, store
+    from tiering.core.keys import NO_CONTEXT
     from tiering.isolation import IsolatedTierManager
-    from tiering.keys import NO_CONTEXT
     from tiering.spec import build_manager
 
     config = {

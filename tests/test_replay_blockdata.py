@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiering.keys import split_offload_key
+from tiering.core.keys import split_offload_key
 from tiering.replay.blockdata import BlockContents, block_key, word_rows
 
 

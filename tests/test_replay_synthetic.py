@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.replay.offline import unlimited_hit_rate
 from tiering.replay.synthetic import SyntheticWorkload
 from tiering.replay.trace import read_trace, write_trace

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tiering.errors import TieringError
+from tiering.core.errors import TieringError
 from tiering.replay.trace import Request, TraceError, iter_trace, read_trace, write_trace
 
 SHARED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"

@@ -21,9 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.runtime_support import key, one_result, primary, store
-from tiering.errors import ConfigError
-from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.core.errors import ConfigError
 from tiering.isolation import IsolatedTierManager
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.affinity import (
@@ -98,7 +98,7 @@ def test_cpus_this_machine_lacks_are_named() -> None:
 CPUSET_ROOT = Path("/sys/fs/cgroup/cpuset")
 IN_A_CPUSET = """
 import os, sys
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.runtime.affinity import pin_current_thread
 target, outside = int(sys.argv[1]), int(sys.argv[2])
 before = os.sched_getaffinity(0)

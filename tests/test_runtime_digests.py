@@ -7,7 +7,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiering.keys import make_offload_key
+from tiering.core.keys import make_offload_key
 from tiering.runtime import digests as digests_module
 from tiering.runtime.digests import StoredDigests, block_checksum
 

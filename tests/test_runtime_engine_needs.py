@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tests.runtime_support import fill, key, load, one_result, primary, results, store
-from tiering.errors import ConfigError
-from tiering.keys import NO_CONTEXT
+from tiering.core.errors import ConfigError
+from tiering.core.keys import NO_CONTEXT
 from tiering.runtime import AsyncTierManager, Presence
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiers.memory import MemoryTier

@@ -22,8 +22,8 @@ from tests.runtime_support import (
     store,
     wait_until,
 )
-from tiering.errors import ConfigError, ContractError
-from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.core.errors import ConfigError, ContractError
+from tiering.core.keys import NO_CONTEXT, OffloadKey
 from tiering.runtime import AsyncTierManager, Presence, TierStats
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiers.memory import MemoryTier

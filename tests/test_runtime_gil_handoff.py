@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager, LoopThread
 from tiering.runtime.facade import DEFAULT_MAX_GIL_HOLD_MS, check_runtime_options

@@ -22,9 +22,9 @@ from tests.runtime_support import (
     store,
     wait_until,
 )
-from tiering.errors import BlockNotFound, TierClosedError
-from tiering.jobs import JobResult
-from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.core.errors import BlockNotFound, TierClosedError
+from tiering.core.jobs import JobResult
+from tiering.core.keys import NO_CONTEXT, OffloadKey
 from tiering.runtime import AsyncTierManager
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiering.tier import AsyncTier, TierContext

@@ -11,7 +11,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from tiering.errors import TierClosedError
+from tiering.core.errors import TierClosedError
 from tiering.runtime import LoopThread, WrongThreadError
 from tiering.runtime.limiter import BlockLimiter
 from tiering.runtime.mailbox import Mailbox

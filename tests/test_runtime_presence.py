@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tiering.keys import make_offload_key
+from tiering.core.keys import make_offload_key
 from tiering.runtime.presence import KnownPresent
 
 

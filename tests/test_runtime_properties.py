@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.runtime_support import fill, key, load, one_result, primary, store, wait_until
-from tiering.keys import NO_CONTEXT
+from tiering.core.keys import NO_CONTEXT
 from tiering.runtime import AsyncTierManager
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiers.memory import MemoryTier

@@ -19,7 +19,7 @@ from tests.runtime_support import (
     store,
     wait_until,
 )
-from tiering.keys import NO_CONTEXT
+from tiering.core.keys import NO_CONTEXT
 from tiering.runtime import AsyncTierManager
 
 
@@ -155,7 +155,7 @@ def test_known_present_answers_are_bounded(medium: SharedStore, buf: np.ndarray)
 
 
 def test_shared_knowledge_options_are_checked(buf: np.ndarray) -> None:
-    from tiering.errors import ConfigError
+    from tiering.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="shared_present_ttl_s must be a positive number"):
         AsyncTierManager(SharedTier(SharedStore()), buf.data, "s", shared_present_ttl_s=0)

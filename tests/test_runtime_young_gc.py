@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.runtime_support import key, one_result, primary, store, wait_until
-from tiering.errors import ConfigError
-from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.core.errors import ConfigError
 from tiering.isolation import IsolatedTierManager
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.facade import check_runtime_options

@@ -1,13 +1,15 @@
 """kv-tiering: an asyncio-native KV-cache tiering framework.
 
 ``import tiering`` never imports torch or vLLM. The public names below are the
-seed contract's core types; the primary tier, the async tier runtime and the
-tiering manager live in their own modules.
+seed contract's core types; each layer of ``docs/architecture.md`` is a package
+of its own (``ls tiering/``). Module paths from before that grouping
+(``tiering.keys``, ``tiering.host_buffer``...) still import: :mod:`tiering._moved`.
 """
 
+from tiering import _moved
 from tiering._version import __version__
-from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from tiering.errors import (
+from tiering.core.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiering.core.errors import (
     BlockNotFound,
     ConfigError,
     ContractError,
@@ -16,9 +18,15 @@ from tiering.errors import (
     TierClosedError,
     TieringError,
 )
-from tiering.jobs import JobId, JobMetadata, JobResult, SecondaryTierManager
-from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext, make_offload_key, split_offload_key
-from tiering.specs import (
+from tiering.core.jobs import JobId, JobMetadata, JobResult, SecondaryTierManager
+from tiering.core.keys import (
+    NO_CONTEXT,
+    OffloadKey,
+    ReqContext,
+    make_offload_key,
+    split_offload_key,
+)
+from tiering.core.specs import (
     BlockIDsLoadStoreSpec,
     CPULoadStoreSpec,
     GPULoadStoreSpec,
@@ -54,3 +62,5 @@ __all__ = [
     "make_offload_key",
     "split_offload_key",
 ]
+
+_moved.install()  # before anyone imports an old path: it imports this package first

@@ -17,7 +17,7 @@ block, from the config) derives the block bytes as vLLM does::
 The constructor checks every key of the stack and, for each tier entry, its
 type, option names (unknown or missing options) and the runtime's own keys
 (``job_timeout_s``, ...), raising a
-:class:`~tiering.errors.ConfigError` naming the key before any memory is
+:class:`~tiering.core.errors.ConfigError` naming the key before any memory is
 allocated or any tier is started. ``get_manager`` then builds the CPU primary
 tier, each secondary tier in order (a tier's option values are checked by its
 class there, with the tier's position and type in the error), and the
@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from tiering.config import BlockGeometry, TieringConfig, check_host_memory
-from tiering.errors import ConfigError, TierClosedError
-from tiering.jobs import SecondaryTierManager
+from tiering.core.errors import ConfigError, TierClosedError
+from tiering.core.jobs import SecondaryTierManager
 from tiering.manager import TieringOffloadingManager
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class TieringOffloadingSpec:
         if config.metrics_port is not None:
             # Here, not in __init__: vLLM builds specs in worker processes too, and only
             # the process that builds the manager has series to serve.
-            from tiering.metrics_server import serve_metrics
+            from tiering.metrics.server import serve_metrics
 
             served = serve_metrics(config.metrics_port, config.metrics_host)
             logger.info("serving kv_tiering_* metrics at %s", served.url)
@@ -168,7 +168,7 @@ class TieringOffloadingSpec:
             tier.get("isolation") == "process" for tier in config.secondary_tiers
         ):
             # A tier in a child process attaches to the primary buffer by name.
-            from tiering.host_buffer import make_shared_name
+            from tiering.primary.host_buffer import make_shared_name
 
             shared_name = make_shared_name()
         primary = CPUPrimaryTier(

@@ -52,8 +52,8 @@ import aiofiles.os
 import anyio
 import xxhash
 
-from tiering.errors import BlockNotFound, ConfigError, CorruptBlock
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound, ConfigError, CorruptBlock
+from tiering.core.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 
 _MANIFEST = "tier.json"
@@ -126,7 +126,7 @@ class DirectoryTier(AsyncTier):
 
         Checks the manifest, deletes temporary files left by a crash, indexes
         the blocks present and trims them to ``capacity_blocks``. Raises
-        :class:`~tiering.errors.ConfigError` for a directory written with
+        :class:`~tiering.core.errors.ConfigError` for a directory written with
         another block size or not by this tier. Cancellation: leaves at most a
         manifest being written under a temporary name (deleted at next open).
         """

@@ -28,8 +28,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 from tiering.copy.bulk import address_of
-from tiering.errors import BlockNotFound, ConfigError, PartialBatchError
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound, ConfigError, PartialBatchError
+from tiering.core.keys import OffloadKey
 from tiering.policies import EvictionPolicy, PolicyChoice, resolve_policy
 from tiering.tier import AsyncTier, TierContext
 from tiers.memory_stores import ArenaStore, HeapStore
@@ -67,7 +67,7 @@ class MemoryTier(AsyncTier):
         if capacity_blocks is not None and capacity_bytes is not None:
             raise ConfigError("give capacity_blocks or capacity_bytes, not both")
         if capacity_bytes is not None:  # "8GiB" as well as bytes, as every size in our configs
-            from tiering.units import config_bytes
+            from tiering.support.units import config_bytes
 
             capacity_bytes = config_bytes("capacity_bytes", capacity_bytes)
         bounds = (("capacity_blocks", capacity_blocks), ("capacity_bytes", capacity_bytes))
@@ -88,7 +88,7 @@ class MemoryTier(AsyncTier):
     async def open(self, context: TierContext) -> None:
         """Size the bound in blocks, map the arena and build the eviction policy.
 
-        Raises :class:`~tiering.errors.ConfigError` when ``capacity_bytes`` is
+        Raises :class:`~tiering.core.errors.ConfigError` when ``capacity_bytes`` is
         smaller than one block. Cancellation: nothing to undo.
         """
         await super().open(context)

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from tiering.copy.bulk import copy_regions
-from tiering.keys import OffloadKey
-from tiering.mappings import private_anonymous
+from tiering.core.keys import OffloadKey
+from tiering.primary.mappings import private_anonymous
 
 
 class CopyQueue:

@@ -59,7 +59,7 @@ NEIGHBOURS = {
     + (
         "import numpy as np\n"
         "from tiering.copy.bulk import copy_regions\n"
-        "from tiering.mappings import private_anonymous\n"
+        "from tiering.primary.mappings import private_anonymous\n"
         "region = 256 << 10\n"
         "pools = [np.frombuffer(private_anonymous(n << 20), np.uint8) for n in (64, 256)]\n"
         "for pool in pools:\n"

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.support.common import pct
-from tiering.jobs import JobMetadata
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.jobs import JobMetadata
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager, LoopThread
 from tiers.memory import MemoryTier
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from benchmarks.support.common import pct, scheduler_batches
 from benchmarks.support.facade_calls import keys_for, verdict
-from tiering.jobs import JobMetadata
+from tiering.core.jobs import JobMetadata
 from tiering.runtime import AsyncTierManager
 from tiers.memory import MemoryTier
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from benchmarks.support.common import KIB, MIB
 from benchmarks.support.fs_ceilings import Figure, measure, median_figure
-from tiering.jobs import JobMetadata
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.jobs import JobMetadata
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
 from tiers.fs import FileSystemTier
 

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 
 from benchmarks.support.common import KIB, MIB
-from tiering.errors import BlockNotFound
-from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.core.errors import BlockNotFound
+from tiering.core.jobs import JobMetadata
+from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
 from tiering.isolation import IsolatedTierManager
-from tiering.jobs import JobMetadata
-from tiering.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
 from tiering.runtime import AsyncTierManager
 from tiering.runtime.affinity import format_cpu_list
 from tiering.runtime.facade import DEFAULT_MAX_GIL_HOLD_MS

@@ -1,4 +1,4 @@
-"""Self-test functions for tests of :mod:`tiering.native_probe` (run in its child process)."""
+"""Self-test functions for tests of :mod:`tiering.support.native_probe` (run in its child)."""
 
 from __future__ import annotations
 

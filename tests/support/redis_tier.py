@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.jobs import JobMetadata, JobResult
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.runtime import AsyncTierManager
 from tiering.tier import TierContext
 from tiers.redis import RedisTier

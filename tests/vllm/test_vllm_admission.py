@@ -19,12 +19,12 @@ from vllm.v1.kv_offload.base import OffloadPolicy, ReqContext
 
 from tests.manager_helpers import settle
 from tests.vllm.test_vllm_tiers import ours, tier_of
+from tiering.core.keys import ReqContext as OurReqContext
 from tiering.integrations.vllm.driver import (
     PatternChecker,
     chained_keys,
     fill_pattern,
 )
-from tiering.keys import ReqContext as OurReqContext
 from tiering.manager import TieringOffloadingManager
 from tiering.policies.admission import ReuseAdmission
 from tiering.primary import CPUPrimaryTier

@@ -21,7 +21,7 @@ import vllm.v1.kv_offload.tiering.spec as vllm_tiering_spec
 import tiering.integrations.vllm.platform as platform_probe
 from tests.vllm.conftest import shut_down
 from tests.vllm.test_vllm_tiers import ours, tier_of
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.integrations.vllm.driver import (
     PatternChecker,
     build_manager,

@@ -17,10 +17,10 @@ import pytest
 
 from tests.vllm.conftest import shut_down
 from tests.vllm.test_vllm_tiers import ours, tier_of
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.integrations.vllm.driver import SchedulerDriver, build_manager, offloading_config
 from tiering.integrations.vllm.spec import KVTieringOffloadingSpec
-from tiering.metrics_server import running_metrics_server, stop_metrics_server
+from tiering.metrics.server import running_metrics_server, stop_metrics_server
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 OUR_SPEC = {"spec_name": "KVTieringOffloadingSpec", "spec_module_path": "tiering.integrations.vllm"}

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.integrations.vllm.driver import PatternChecker, chained_keys, fill_pattern
 from tiering.integrations.vllm.policy import EvictionPolicyCachePolicy, vllm_cache_policy
 from tiering.policies import KVAwarePolicy

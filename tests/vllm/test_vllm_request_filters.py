@@ -22,8 +22,8 @@ from vllm.v1.kv_offload.base import LookupResult
 
 from tests.manager_helpers import settle
 from tests.vllm.test_vllm_tiers import ours, tier_of
+from tiering.core.keys import ReqContext
 from tiering.integrations.vllm.driver import chained_keys, fill_pattern
-from tiering.keys import ReqContext
 from tiering.manager import TieringOffloadingManager
 from tiering.primary import CPUPrimaryTier
 from tiering.registry import create_secondary_tier

@@ -25,7 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.vllm.conftest import preload_fsio_stubs, shut_down
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.integrations.vllm import (
     MODULE_PATH,
     KVTieringFileSystemTier,

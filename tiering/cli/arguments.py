@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tiering.cli.exits import UsageError
-from tiering.errors import ConfigError
-from tiering.units import NumberTooLongError, loads_json, parse_size
+from tiering.core.errors import ConfigError
+from tiering.support.units import NumberTooLongError, loads_json, parse_size
 
 N = TypeVar("N", int, float)
 
@@ -124,7 +124,7 @@ def check_writable(path: Path, what: str) -> None:
 
 
 def metrics_port_arg(text: str) -> int:
-    from tiering.metrics_server import check_metrics_port
+    from tiering.metrics.server import check_metrics_port
 
     try:
         return check_metrics_port(int(text), "--metrics-port")

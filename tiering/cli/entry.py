@@ -21,7 +21,7 @@ from tiering.cli.parser import build_parser
 from tiering.cli.replay_command import run_replay
 from tiering.cli.sweep_command import run_sweep_command
 from tiering.cli.workload import run_generate
-from tiering.errors import ConfigError, TieringError
+from tiering.core.errors import ConfigError, TieringError
 from tiering.replay.console import Interrupted, SignalStop
 
 #: Longest error line printed (a message can quote a hostile value).

@@ -75,7 +75,7 @@ class _ReplayRun:
 
 
 def _print_metrics_url(extra: dict[str, Any], err: Any) -> None:
-    from tiering.metrics_server import running_metrics_server
+    from tiering.metrics.server import running_metrics_server
 
     port = extra.get("metrics_port")
     server = running_metrics_server(port) if isinstance(port, int) else None
@@ -193,7 +193,7 @@ def _replay_report(args: argparse.Namespace, workload: Workload, run: _ReplayRun
     from tiering.replay.report import build_report
     from tiering.replay.stack import IGNORED_FOR_REPLAY, configured_capacity, tier_summary
     from tiering.replay.warm import unlimited_hit_rate_from
-    from tiering.units import config_bytes
+    from tiering.support.units import config_bytes
 
     extra = run.extra_config
     tiers = extra.get("secondary_tiers") or []

@@ -12,9 +12,9 @@ from typing import Any
 from tiering.cli.arguments import check_writable, policy_setting
 from tiering.cli.exits import EXIT_OK, UsageError
 from tiering.cli.workload import load_workload
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.replay.console import SignalStop, consoles, logging_to, progress_bar
-from tiering.units import parse_size
+from tiering.support.units import parse_size
 
 
 def _parse_capacities(text: str, block_bytes: int) -> list[int]:

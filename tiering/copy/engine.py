@@ -97,7 +97,7 @@ class CopyEngine(ABC):
 
         Errors found while enqueuing (before any byte moved or after some did)
         do not raise: they make the returned job finish as failed.
-        Raises :class:`~tiering.errors.TierClosedError` after :meth:`shutdown`.
+        Raises :class:`~tiering.core.errors.TierClosedError` after :meth:`shutdown`.
         """
 
     @abstractmethod

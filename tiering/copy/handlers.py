@@ -29,8 +29,8 @@ from tiering.copy.arrays import block_rows, host_rows, is_torch_tensor
 from tiering.copy.engine import CopyEngine, CopyJob
 from tiering.copy.layout import CanonicalKVCacheRef, KVCachesLike, KVLayout
 from tiering.copy.plan import Lane, plan_transfer
-from tiering.errors import ContractError, TierClosedError, TieringError
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from tiering.core.errors import ContractError, TierClosedError, TieringError
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +117,9 @@ class TransferHandler(OffloadingHandler):
     def submit(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> CopyJob:
         """Start a job, raising on misuse (the exception-raising form of ``transfer_async``).
 
-        Raises :class:`~tiering.errors.ContractError` for a job id already in
+        Raises :class:`~tiering.core.errors.ContractError` for a job id already in
         flight or specs that do not fit the direction or the layout, and
-        :class:`~tiering.errors.TierClosedError` after ``shutdown``. Nothing
+        :class:`~tiering.core.errors.TierClosedError` after ``shutdown``. Nothing
         changes when it raises.
         """
         if self._closed:

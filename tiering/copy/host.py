@@ -40,7 +40,7 @@ from tiering.copy.bulk import copy_regions
 from tiering.copy.engine import CopyEngine, CopyJob, CopyOutcome
 from tiering.copy.layout import KVLayout
 from tiering.copy.plan import BlockCopies, Lane, Offsets, TransferPlan, byte_runs
-from tiering.errors import TierClosedError
+from tiering.core.errors import TierClosedError
 
 logger = logging.getLogger(__name__)
 

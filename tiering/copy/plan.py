@@ -20,8 +20,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tiering.copy.layout import KVLayout
-from tiering.errors import ContractError
-from tiering.specs import BlockIds, CPULoadStoreSpec, GPULoadStoreSpec
+from tiering.core.errors import ContractError
+from tiering.core.specs import BlockIds, CPULoadStoreSpec, GPULoadStoreSpec
 
 Offsets = npt.NDArray[np.int64]
 
@@ -121,7 +121,7 @@ def plan_transfer(
 ) -> TransferPlan:
     """Map the GPU blocks of ``gpu_spec`` onto the CPU blocks of ``cpu_spec``.
 
-    Raises :class:`~tiering.errors.ContractError` (changing nothing) when the
+    Raises :class:`~tiering.core.errors.ContractError` (changing nothing) when the
     specs do not fit the layout: wrong number of groups, block ids out of range,
     a CPU spec with more or fewer blocks than the GPU blocks need, or two copies
     writing the same destination.

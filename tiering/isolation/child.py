@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tiering.host_buffer import HostBuffer
+from tiering.core.jobs import JobMetadata
 from tiering.isolation.mirror import (
     ChangeLog,
     RecordingKeys,
@@ -38,7 +38,7 @@ from tiering.isolation.mirror import (
 )
 from tiering.isolation.ring import WAKE_WORD, ByteRing
 from tiering.isolation.wakeup import SAFETY_POLL_S, WakeReceiver
-from tiering.jobs import JobMetadata
+from tiering.primary.host_buffer import HostBuffer
 from tiering.runtime.affinity import pin_current_process
 from tiering.runtime.gil_handoff import handoff_loop_factory
 from tiering.runtime.service import TierService, _Job

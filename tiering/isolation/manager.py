@@ -14,7 +14,7 @@ and stats (its scheduler-side state is inherited, not copied).
 What differs: the tier is built in the child by ``tier_factory`` (a
 picklable zero-argument callable, e.g. ``functools.partial(MemoryTier,
 capacity_blocks=1024)``), so ``self.tier`` does not exist here; the primary
-buffer must be a named shared :class:`~tiering.host_buffer.HostBuffer`; and
+buffer must be a named shared :class:`~tiering.primary.host_buffer.HostBuffer`; and
 if the child dies, every job in flight fails, later jobs fail at once, and
 lookups answer False (never a wrong hit); the death is logged once.
 """
@@ -30,14 +30,14 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Unpack
 
-from tiering.errors import ConfigError
-from tiering.host_buffer import HostBuffer
+from tiering.core.errors import ConfigError
+from tiering.core.jobs import JobResult, SecondaryTierManager
+from tiering.core.keys import OffloadKey, ReqContext
 from tiering.isolation.child import ChildSpec, serve
 from tiering.isolation.mirror import Mirror
 from tiering.isolation.ring import WAKE_WORD, ByteRing
 from tiering.isolation.wakeup import WakeSender
-from tiering.jobs import JobResult, SecondaryTierManager
-from tiering.keys import OffloadKey, ReqContext
+from tiering.primary.host_buffer import HostBuffer
 from tiering.runtime.affinity import check_cpus
 from tiering.runtime.facade import AsyncTierManager
 from tiering.runtime.gil_handoff import hold_seconds
@@ -63,7 +63,7 @@ class IsolatedTierManager(AsyncTierManager):
     """Runs the tier ``tier_factory()`` builds in a child process (see the module docs).
 
     ``primary`` is the primary tier's buffer, a named shared
-    :class:`~tiering.host_buffer.HostBuffer` (``CPUPrimaryTier(...,
+    :class:`~tiering.primary.host_buffer.HostBuffer` (``CPUPrimaryTier(...,
     shared_name=...)``'s ``buffer``). The keyword options are
     :class:`~tiering.runtime.AsyncTierManager`'s, with the same meaning
     (``cpus`` pins every thread of the child process, before the tier opens;

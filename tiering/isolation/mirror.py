@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiering.runtime.presence import KnownPresent
 
 PRESENT_ADD = 0

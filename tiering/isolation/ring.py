@@ -16,7 +16,7 @@ process ever blocks on the other. The ring does not wake its consumer;
 :class:`~tiering.isolation.wakeup.WakeFlag` beside it does that, once per
 batch.
 
-The memory is a :class:`~tiering.host_buffer.HostBuffer` (a named object
+The memory is a :class:`~tiering.primary.host_buffer.HostBuffer` (a named object
 under ``/dev/shm``) that the other process attaches to by name.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import struct
 
-from tiering.host_buffer import HostBuffer, make_shared_name
+from tiering.primary.host_buffer import HostBuffer, make_shared_name
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")

@@ -1,9 +1,9 @@
 """``TieringOffloadingManager``: the CPU primary tier plus any number of secondary tiers,
-behind the scheduler-facing :class:`~tiering.contract.OffloadingManager` contract.
+behind the scheduler-facing :class:`~tiering.core.contract.OffloadingManager` contract.
 
 Everything here runs on the scheduler thread and never blocks (except
 ``shutdown``, which waits a bounded time). Secondary tiers are
-:class:`~tiering.jobs.SecondaryTierManager` objects (normally the async facade,
+:class:`~tiering.core.jobs.SecondaryTierManager` objects (normally the async facade,
 whose work runs on its own event-loop thread); the manager talks to them only
 through jobs (``submit_store`` / ``submit_load``) and their results
 (``get_finished``).
@@ -38,7 +38,10 @@ each own one responsibility and live in their own module:
 * ``cascade``    primary -> secondary store jobs and their pins
 * ``promotion``  secondary -> primary load jobs: staging, row reservation, back-off
 * ``results``    collecting results from every tier, draining at shutdown
-* ``core``       the public class: construction and the scheduler-facing contract
+* ``filters``    a request's tier filters (``kv_load_tiers``, ``kv_store_tiers``...)
+* ``backpressure`` which tier is behind: cascades to it are dropped and counted
+* ``loads``      lookups and the engine's load pins
+* ``core``       the public class: construction, the store side, touch, events
 """
 
 from tiering.manager.core import TieringOffloadingManager

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
-from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.core.jobs import JobMetadata, JobResult
+from tiering.core.keys import NO_CONTEXT, OffloadKey, ReqContext
 from tiering.manager.filters import TierFilter
 from tiering.manager.state import Job, JobKind, block_ids_of
 from tiering.manager.statistics import StatisticsMixin

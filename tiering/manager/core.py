@@ -2,7 +2,7 @@
 
 The public class. It validates its options, assigns the state the layers share
 (:mod:`tiering.manager.state`), and implements the store side of
-:class:`~tiering.contract.OffloadingManager` (prepare/complete store, touch,
+:class:`~tiering.core.contract.OffloadingManager` (prepare/complete store, touch,
 events) plus ``step`` and ``flush``; the load side (lookup, prepare/complete
 load) is :mod:`tiering.manager.loads`, and promotion, cascade, result handling
 (with shutdown) and statistics are the other layers it inherits from.
@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tiering.config import DEFAULT_CASCADE_MAX_PINNED_FRACTION
-from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from tiering.errors import ContractError
-from tiering.jobs import SecondaryTierManager
-from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.core.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiering.core.errors import ContractError
+from tiering.core.jobs import SecondaryTierManager
+from tiering.core.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.core.stats import TierCounters
 from tiering.manager.backpressure import JobsInFlight
 from tiering.manager.failures import FailureLog
 from tiering.manager.filters import ALL, RequestFilters
@@ -36,7 +37,6 @@ from tiering.manager.state import (
 )
 from tiering.metrics import MetricsExport
 from tiering.policies.admission import AdmissionPolicy
-from tiering.stats import TierCounters
 
 
 class TieringOffloadingManager(LoadsMixin, OffloadingManager):
@@ -249,7 +249,7 @@ class TieringOffloadingManager(LoadsMixin, OffloadingManager):
 
         Each tier gets one job for all ``keys``; the primary rows stay pinned
         for that job until its result arrives. Raises
-        :class:`~tiering.errors.ContractError`, changing nothing, for keys that
+        :class:`~tiering.core.errors.ContractError`, changing nothing, for keys that
         were not prepared by :meth:`prepare_store` (e.g. keys being promoted).
         """
         self._check_open()

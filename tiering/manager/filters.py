@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tiering.keys import ReqContext
+from tiering.core.keys import ReqContext
 
 logger = logging.getLogger("tiering.manager")
 

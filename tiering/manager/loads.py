@@ -1,7 +1,7 @@
 """Loads: answering the engine's lookups, and the pins of the blocks it loads.
 
 :class:`LoadsMixin` implements the load side of the
-:class:`~tiering.contract.OffloadingManager` contract. ``lookup`` answers from
+:class:`~tiering.core.contract.OffloadingManager` contract. ``lookup`` answers from
 the primary tier, from a promotion on its way (collecting results first, so a
 landed one is a hit this step), from the failed-promotion back-off, and else
 asks the secondary tiers in order (those the request's ``kv_load_tiers``
@@ -16,11 +16,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from tiering.errors import ContractError
-from tiering.keys import OffloadKey, ReqContext
+from tiering.core.errors import ContractError
+from tiering.core.keys import OffloadKey, ReqContext
+from tiering.core.specs import LoadStoreSpec
 from tiering.manager.filters import ALL
 from tiering.manager.results import ResultsMixin
-from tiering.specs import LoadStoreSpec
 
 
 class LoadsMixin(ResultsMixin):
@@ -95,7 +95,7 @@ class LoadsMixin(ResultsMixin):
     def prepare_load(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """Pin readable primary blocks for the engine to copy to the GPU (until complete_load).
 
-        Raises :class:`~tiering.errors.ContractError` (from the primary tier)
+        Raises :class:`~tiering.core.errors.ContractError` (from the primary tier)
         if a key is not readable, changing nothing.
         """
         self._check_open()
@@ -108,7 +108,7 @@ class LoadsMixin(ResultsMixin):
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         """Release the pins of a previous :meth:`prepare_load` of these keys.
 
-        Raises :class:`~tiering.errors.ContractError`, changing nothing, for a
+        Raises :class:`~tiering.core.errors.ContractError`, changing nothing, for a
         key the engine has not pinned (the manager's own pins, which protect
         in-flight cascades, cannot be released through this call).
         """

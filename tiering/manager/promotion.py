@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import OffloadKey, ReqContext
+from tiering.core.jobs import JobMetadata, JobResult
+from tiering.core.keys import OffloadKey, ReqContext
 from tiering.manager.cascade import CascadeMixin
 from tiering.manager.state import MAX_BACKOFF_KEYS, Job, JobKind, StagedBatch, block_ids_of
 

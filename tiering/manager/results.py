@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 
-from tiering.jobs import JobResult, SecondaryTierManager
+from tiering.core.jobs import JobResult, SecondaryTierManager
 from tiering.manager.promotion import PromotionMixin
 from tiering.manager.state import JobKind
 from tiering.manager.statistics import Holdings

@@ -16,17 +16,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tiering.contract import OffloadingEvent, PrepareStoreOutput
-from tiering.errors import TierClosedError
-from tiering.jobs import JobId, SecondaryTierManager
-from tiering.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.core.contract import OffloadingEvent, PrepareStoreOutput
+from tiering.core.errors import TierClosedError
+from tiering.core.jobs import JobId, SecondaryTierManager
+from tiering.core.keys import NO_CONTEXT, OffloadKey, ReqContext
+from tiering.core.specs import BlockIds, BlockIDsLoadStoreSpec, LoadStoreSpec
+from tiering.core.stats import ManagerStats, TierCounters
 from tiering.manager.backpressure import JobsInFlight
 from tiering.manager.failures import FailureLog
 from tiering.manager.filters import RequestFilters, TierFilter
 from tiering.metrics import MetricsExport
 from tiering.policies.admission import AdmissionPolicy
-from tiering.specs import BlockIds, BlockIDsLoadStoreSpec, LoadStoreSpec
-from tiering.stats import ManagerStats, TierCounters
 
 # Every part logs as "tiering.manager", the name operators filter on.
 logger = logging.getLogger("tiering.manager")

@@ -1,6 +1,6 @@
 """Statistics: transfer accounting, what the tiers hold, and the ``ManagerStats`` snapshot.
 
-Counters (:class:`~tiering.stats.TierCounters`) are updated by every layer as
+Counters (:class:`~tiering.core.stats.TierCounters`) are updated by every layer as
 jobs finish; this layer turns them and the tiers' holdings into the immutable
 snapshot :meth:`~tiering.manager.TieringOffloadingManager.stats` returns and the
 metrics export publishes.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiering.jobs import JobResult, SecondaryTierManager
+from tiering.core.jobs import JobResult, SecondaryTierManager
+from tiering.core.stats import ManagerStats, TierCounters, TierStats
 from tiering.manager.state import Job, ManagerState
-from tiering.stats import ManagerStats, TierCounters, TierStats
 
 
 class StatisticsMixin(ManagerState):

@@ -12,7 +12,7 @@ and may carry options, the policy class's keyword arguments: a mapping
 ``{"name": "kvaware", "probation_ghosts": 2}``, or in text (the CLI)
 ``"kvaware(probation_ghosts=2)"``. :func:`resolve_policy` checks the name, imports
 the class and builds one small instance with the options, so every mistake is a
-:class:`~tiering.errors.ConfigError` naming the key, at configuration time.
+:class:`~tiering.core.errors.ConfigError` naming the key, at configuration time.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.kvaware import KVAwarePolicy

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.keys import OffloadKey, make_offload_key
 
 _WORD = 8
 _MASK64 = (1 << 64) - 1

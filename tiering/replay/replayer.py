@@ -33,10 +33,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tiering.contract import OffloadingManager, PrepareStoreOutput
-from tiering.errors import ContractError
-from tiering.jobs import SecondaryTierManager
-from tiering.keys import NO_CONTEXT, OffloadKey
+from tiering.core.contract import OffloadingManager, PrepareStoreOutput
+from tiering.core.errors import ContractError
+from tiering.core.jobs import SecondaryTierManager
+from tiering.core.keys import NO_CONTEXT, OffloadKey
+from tiering.core.specs import BlockIDsLoadStoreSpec
+from tiering.core.stats import ManagerStats
 from tiering.replay.blockdata import BlockContents, block_key, word_rows
 from tiering.replay.gpu_cache import GPUPrefixCache
 from tiering.replay.offline import DEFAULT_STORE_CHUNK_BLOCKS
@@ -53,8 +55,6 @@ from tiering.replay.totals import (
     ReplayTotals,
 )
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
-from tiering.specs import BlockIDsLoadStoreSpec
-from tiering.stats import ManagerStats
 
 _POLL_SLEEP_MIN_S = 20e-6
 _POLL_SLEEP_MAX_S = 1e-3

@@ -15,6 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
+from tiering.core.stats import ManagerStats, TierStats
 from tiering.replay.metrics import LatencySamples
 from tiering.replay.offline import HitRate
 from tiering.replay.report_tables import WIDE_CONSOLE, latency_table, tier_tables
@@ -30,7 +31,6 @@ from tiering.replay.totals import (
     ReplayTotals,
 )
 from tiering.runtime.stats import TierStats as RuntimeTierStats
-from tiering.stats import ManagerStats, TierStats
 
 
 def _rate(part: float, whole: float) -> float:

@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.replay.replayer import ReplayStack
 from tiering.replay.units import parse_size
-from tiering.units import NumberTooLongError, loads_json
+from tiering.support.units import NumberTooLongError, loads_json
 
 #: Tokens per offloaded block are the trace's (512 for Mooncake), whatever the config says.
 IGNORED_FOR_REPLAY = ("block_size",)

@@ -19,7 +19,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
 
 # A context segment: (unique id of its tokens, number of tokens).

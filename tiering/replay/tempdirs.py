@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
-from tiering.host_buffer import pid_running
+from tiering.primary.host_buffer import pid_running
 
 logger = logging.getLogger(__name__)
 

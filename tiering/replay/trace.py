@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tiering.errors import TieringError
-from tiering.units import NumberTooLongError, loads_json
+from tiering.core.errors import TieringError
+from tiering.support.units import NumberTooLongError, loads_json
 
 #: Tokens per trace block in the Mooncake release.
 DEFAULT_BLOCK_TOKENS = 512

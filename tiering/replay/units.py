@@ -1,7 +1,7 @@
-"""Byte sizes for the replay tools (see :mod:`tiering.units`, where they live)."""
+"""Byte sizes for the replay tools (see :mod:`tiering.support.units`, where they live)."""
 
 from __future__ import annotations
 
-from tiering.units import format_bytes, parse_size
+from tiering.support.units import format_bytes, parse_size
 
 __all__ = ["format_bytes", "parse_size"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from tiering.keys import NO_CONTEXT
+from tiering.core.keys import NO_CONTEXT
 from tiering.replay.blockdata import block_key
 from tiering.replay.offline import HitRate
 from tiering.replay.replayer import ReplayStack

@@ -12,7 +12,7 @@ a default.
 form and that every id is a CPU of this machine are checked before anything
 starts (:func:`check_cpus`); that the process's cpuset grants them all is
 verified when they are set, and a mask the kernel narrowed is refused, not
-used. Both raise :class:`~tiering.errors.ConfigError` naming the CPUs.
+used. Both raise :class:`~tiering.core.errors.ConfigError` naming the CPUs.
 Threads inherit their creator's affinity, so pinning the loop thread before
 the tier opens pins every thread the tier starts from it (worker threads,
 ``asyncio.to_thread``'s executor, io_uring's kernel workers).
@@ -24,7 +24,7 @@ import contextlib
 import os
 from collections.abc import Iterable
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 
 
 def allowed_cpus() -> frozenset[int]:
@@ -67,7 +67,7 @@ def _parse_cpu_list(text: str) -> set[int]:
 def check_cpus(value: object) -> frozenset[int] | None:
     """``value`` as a set of CPU ids, or None for "not pinned".
 
-    Raises :class:`~tiering.errors.ConfigError` naming what is wrong: a value
+    Raises :class:`~tiering.core.errors.ConfigError` naming what is wrong: a value
     that is not a list or a list string, a negative or non-integer id, an
     empty set, an id this machine does not have, or a platform without
     ``os.sched_setaffinity``. Whether the process's cpuset grants them is
@@ -117,7 +117,7 @@ def _pin(tid: int, cpus: frozenset[int]) -> None:
 def pin_current_thread(cpus: frozenset[int] | None) -> None:
     """Restrict the calling thread (and the threads it starts from now on) to ``cpus``.
 
-    Raises :class:`~tiering.errors.ConfigError` (and leaves the thread as it
+    Raises :class:`~tiering.core.errors.ConfigError` (and leaves the thread as it
     was) if the process may not run on all of them.
     """
     if cpus is not None:

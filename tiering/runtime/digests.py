@@ -15,7 +15,7 @@ from collections import OrderedDict
 import xxhash
 
 from tiering.copy.caches import evict_block
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 
 
 def block_checksum(block: memoryview) -> int:

@@ -23,8 +23,8 @@ import logging
 import queue
 from collections.abc import Collection, Sequence
 
-from tiering.jobs import JobResult
-from tiering.keys import OffloadKey
+from tiering.core.jobs import JobResult
+from tiering.core.keys import OffloadKey
 from tiering.runtime.affinity import check_cpus, pin_current_thread
 from tiering.runtime.gil_handoff import hold_seconds
 from tiering.runtime.loop_thread import LoopThread

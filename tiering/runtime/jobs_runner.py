@@ -13,9 +13,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-from tiering.errors import BlockNotFound, CorruptBlock
-from tiering.jobs import JobResult
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound, CorruptBlock
+from tiering.core.jobs import JobResult
+from tiering.core.keys import OffloadKey
 from tiering.runtime.service_state import _NO_KEYS, _Batch, _describe_errors, _Job, logger
 from tiering.runtime.stats import count_job_seconds
 from tiering.runtime.transfer import _Transfers

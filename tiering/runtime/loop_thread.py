@@ -13,7 +13,7 @@ runtime needs on top:
 * the project's error types: :class:`WrongThreadError` (a blocking call from
   the loop thread itself, refused instead of deadlocking; the portal's own
   refusal is a bare ``RuntimeError``) and
-  :class:`~tiering.errors.TierClosedError` once closed;
+  :class:`~tiering.core.errors.TierClosedError` once closed;
 * **GIL hand-offs**: the loop's selector lets a thread waiting for the GIL
   (the scheduler) have it at least every ``max_gil_hold_s`` of continuous
   loop work (:mod:`tiering.runtime.gil_handoff`);
@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import anyio.from_thread
 
-from tiering.errors import TierClosedError, TieringError
+from tiering.core.errors import TierClosedError, TieringError
 from tiering.runtime.gil_handoff import (
     DEFAULT_MAX_GIL_HOLD_S,
     handoff_loop_factory,
@@ -126,7 +126,7 @@ class LoopThread:
         ``timeout`` seconds the coroutine is cancelled and ``TimeoutError``
         raised (the deadline starts once the loop has accepted the call, one
         round trip). Raises :class:`WrongThreadError` on the loop thread and
-        :class:`~tiering.errors.TierClosedError` once closed.
+        :class:`~tiering.core.errors.TierClosedError` once closed.
         """
         self._check_callable_from_here("call")
         future = self._portal.start_task_soon(fn, *args)
@@ -142,7 +142,7 @@ class LoopThread:
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """Schedule ``fn(*args)`` on the loop and return at once (any thread).
 
-        Raises :class:`~tiering.errors.TierClosedError` once closed.
+        Raises :class:`~tiering.core.errors.TierClosedError` once closed.
         """
         if self._closed:
             raise TierClosedError(f"event-loop thread {self.name!r} is closed")

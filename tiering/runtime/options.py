@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TypedDict
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.runtime.affinity import check_cpus
 from tiering.runtime.gil_handoff import DEFAULT_MAX_GIL_HOLD_S
 
@@ -80,7 +80,7 @@ def check_runtime_options(
 ) -> None:
     """Check the runtime's options (a tier entry's framework keys) without building anything.
 
-    Raises :class:`~tiering.errors.ConfigError` naming the first bad one.
+    Raises :class:`~tiering.core.errors.ConfigError` naming the first bad one.
     """
     for option, value in (
         ("job_timeout_s", job_timeout_s),

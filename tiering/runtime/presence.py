@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 
 
 class KnownPresent:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiering.runtime.service_state import _RESOLVE_BATCH, _ServiceState, logger
 
 

@@ -24,9 +24,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from types import TracebackType
 from typing import NamedTuple, Self
 
-from tiering.errors import ContractError, TierClosedError
-from tiering.jobs import JobMetadata, JobResult, SecondaryTierManager
-from tiering.keys import OffloadKey, ReqContext
+from tiering.core.errors import ContractError, TierClosedError
+from tiering.core.jobs import JobMetadata, JobResult, SecondaryTierManager
+from tiering.core.keys import OffloadKey, ReqContext
 from tiering.runtime.options import primary_geometry
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters, TierStats
@@ -228,7 +228,7 @@ class SchedulerSide(SecondaryTierManager):
         """Copy the job's primary rows into the tier, skipping keys already present.
 
         Returns at once; the result comes from :meth:`get_finished`. Raises
-        :class:`~tiering.errors.ContractError` (nothing enqueued) for a job id
+        :class:`~tiering.core.errors.ContractError` (nothing enqueued) for a job id
         in flight or with an undelivered result, mismatched lengths, a block
         id outside the primary view or a key listed twice.
         """
@@ -418,7 +418,7 @@ class SchedulerSide(SecondaryTierManager):
         """Stop accepting jobs, drain or cancel in-flight work, close the tier, join the thread.
 
         Bounded by ``shutdown_timeout_s``. Idempotent; every other method
-        except :meth:`stats` raises :class:`~tiering.errors.TierClosedError`
+        except :meth:`stats` raises :class:`~tiering.core.errors.TierClosedError`
         afterwards. Results not collected before are discarded.
         """
         with self._shutdown_lock:

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiering.runtime.jobs_runner import _JobRunner
 from tiering.runtime.service_state import _Job as _Job  # re-exported: the facade builds jobs
 from tiering.runtime.service_state import logger

@@ -16,8 +16,8 @@ import queue
 from collections import deque
 from dataclasses import dataclass, field
 
-from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import OffloadKey
+from tiering.core.jobs import JobMetadata, JobResult
+from tiering.core.keys import OffloadKey
 from tiering.runtime.digests import StoredDigests
 from tiering.runtime.limiter import BlockLimiter
 from tiering.runtime.presence import KnownPresent

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from tiering.stats import JOB_SECONDS_BUCKETS
+from tiering.core.stats import JOB_SECONDS_BUCKETS
 
 
 def _no_jobs() -> list[int]:
@@ -54,7 +54,7 @@ class TierStats:
     ``CorruptBlock``/``BlockNotFound``, ``blocks_removed`` blocks the tier
     reported gone (evictions) or found missing or corrupt.
     ``store_seconds_counts``/``load_seconds_counts`` count jobs by transfer
-    time, one count per bucket of :data:`tiering.stats.JOB_SECONDS_BUCKETS`
+    time, one count per bucket of :data:`tiering.core.stats.JOB_SECONDS_BUCKETS`
     plus one for longer jobs.
     """
 

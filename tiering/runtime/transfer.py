@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tiering.errors import CorruptBlock, PartialBatchError
-from tiering.keys import OffloadKey
+from tiering.core.errors import CorruptBlock, PartialBatchError
+from tiering.core.keys import OffloadKey
 from tiering.runtime.digests import block_checksum
 from tiering.runtime.resolver import _PresenceKeeping
 from tiering.runtime.service_state import _Batch, _Job, _release_views, logger

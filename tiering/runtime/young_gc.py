@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.runtime.affinity import pin_current_thread
 
 logger = logging.getLogger(__name__)

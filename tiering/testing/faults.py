@@ -31,7 +31,7 @@ Fault kinds, checked in this order for each operation the plan covers:
     (the rest is left as it was) or one byte is flipped. With
     ``detect=False`` (default) the read returns normally: *silent* damage, the
     case end-to-end verification above the tier must catch. With
-    ``detect=True`` it raises :class:`~tiering.errors.CorruptBlock`, like a
+    ``detect=True`` it raises :class:`~tiering.core.errors.CorruptBlock`, like a
     checksumming tier would.
 
 Batch forms (``read_many``...) are the :class:`AsyncTier` defaults, which call
@@ -51,8 +51,8 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from tiering.errors import CorruptBlock
-from tiering.keys import OffloadKey
+from tiering.core.errors import CorruptBlock
+from tiering.core.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 
 #: Operation names a :class:`FaultPlan` can target.

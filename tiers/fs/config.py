@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tiering.auth import BlockAuthenticator, authenticator_from_options
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.policies import PolicyChoice, resolve_policy
+from tiering.tier.auth import BlockAuthenticator, authenticator_from_options
 from tiers.fs.files import check_root_permissions
 from tiers.fs.layout import SLAB_GLOB_PREFIX, existing_slab_bytes
 

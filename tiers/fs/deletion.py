@@ -31,7 +31,7 @@ import errno
 import logging
 from collections.abc import Callable, Sequence
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiers.fs.files import RootDir, is_deleted
 from tiers.fs.index import SlotIndex
 from tiers.fs.journal import JournalWriter

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiering.errors import TieringError
+from tiering.core.errors import TieringError
 
 
 class TierFullError(TieringError):

@@ -25,7 +25,7 @@ import os
 import stat
 from pathlib import Path
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 
 #: Files are created readable and writable by their owner only.
 FILE_MODE = 0o600

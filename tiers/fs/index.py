@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiering.policies import EvictionPolicy
 
 
@@ -28,7 +28,7 @@ from tiering.policies import EvictionPolicy
 class Entry:
     """Where a visible block lives, the xxh3_128 checksum of its bytes and its MAC tag.
 
-    ``tag`` is the keyed MAC (:mod:`tiering.auth`) a tier with an ``auth_key_*``
+    ``tag`` is the keyed MAC (:mod:`tiering.tier.auth`) a tier with an ``auth_key_*``
     stored with the block; None for blocks stored without one.
     """
 

@@ -14,8 +14,8 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from tiering.errors import ConfigError
-from tiering.keys import OffloadKey
+from tiering.core.errors import ConfigError
+from tiering.core.keys import OffloadKey
 from tiering.policies import EvictionPolicy
 from tiers.fs.config import FsTierConfig, check_capacity_fits
 from tiers.fs.deletion import DeletionWatch

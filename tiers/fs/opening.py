@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiers.fs.config import FsTierConfig
 from tiers.fs.errors import RootInUseError
 from tiers.fs.files import RootDir, UnsafeFileError

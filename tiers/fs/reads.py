@@ -16,8 +16,8 @@ import logging
 from collections.abc import Sequence
 
 from tiering.copy.caches import evict_block
-from tiering.errors import BlockNotFound, CorruptBlock
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound, CorruptBlock
+from tiering.core.keys import OffloadKey
 from tiers.fs.index import Entry
 from tiers.fs.io import IoOp, OpKind
 from tiers.fs.planning import block_views, plan_ops

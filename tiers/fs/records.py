@@ -15,7 +15,7 @@ File layout::
 A record carries a whole batch (one write job's blocks, one eviction), so it
 is applied all or nothing. All integers are little endian; the block
 checksum is the xxh3_128 of the block's bytes; the tag (tiers with an
-``auth_key_*``) is the keyed MAC of :mod:`tiering.auth`. The record checksum
+``auth_key_*``) is the keyed MAC of :mod:`tiering.tier.auth`. The record checksum
 is seeded with the cache id, so a record from another cache (or a stale one
 from a previous generation of this file) never validates.
 

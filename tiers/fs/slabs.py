@@ -21,7 +21,7 @@ import logging
 import mmap
 import os
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiers.fs.config import DirectIo
 from tiers.fs.files import RootDir, is_deleted
 from tiers.fs.layout import ALIGNMENT, Geometry, parse_slab_name, slab_name

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from tiering.auth import BlockAuthenticator
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
+from tiering.tier.auth import BlockAuthenticator
 from tiers.fs.config import FsTierConfig
 from tiers.fs.deletion import DeletionWatch
 from tiers.fs.index import Entry, SlotIndex

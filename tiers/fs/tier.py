@@ -22,8 +22,8 @@ import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from tiering.errors import ConfigError, PartialBatchError, TierClosedError
-from tiering.keys import OffloadKey
+from tiering.core.errors import ConfigError, PartialBatchError, TierClosedError
+from tiering.core.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 from tiers.fs.config import DEFAULT_MAX_IO_BYTES, DEFAULT_SLAB_BYTES, FsTierConfig
 from tiers.fs.io import IoBackend, make_backend

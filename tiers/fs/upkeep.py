@@ -14,7 +14,7 @@ import errno
 import logging
 import mmap
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiers.fs.io import IoOp, OpKind
 from tiers.fs.planning import IOV_MAX
 from tiers.fs.reads import read_blocks

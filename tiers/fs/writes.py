@@ -16,10 +16,10 @@ import errno
 import logging
 from collections.abc import Sequence
 
-from tiering.auth import BlockAuthenticator
 from tiering.copy.caches import evict_block
-from tiering.errors import TierClosedError
-from tiering.keys import OffloadKey
+from tiering.core.errors import TierClosedError
+from tiering.core.keys import OffloadKey
+from tiering.tier.auth import BlockAuthenticator
 from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.errors import TierFullError
 from tiers.fs.files import UnsafeFileError

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from tiering.auth import BlockAuthenticator, authenticator_from_options
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
+from tiering.tier.auth import BlockAuthenticator, authenticator_from_options
 from tiers.redis.layout import NAMESPACE_PATTERN
 
 StartBehaviour = Literal["fail", "degrade"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiers.redis.errors import RejectedValue
 from tiers.redis.layout import BlockLayout
 from tiers.redis.rejections import RejectionLog

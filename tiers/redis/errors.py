@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tiering.errors import CorruptBlock, TieringError
+from tiering.core.errors import CorruptBlock, TieringError
 
 
 class RedisTierUnavailable(TieringError, ConnectionError):

@@ -23,7 +23,7 @@ flags ``FLAG_AUTHENTICATED``, header_len 48) and then::
     tag          16s HMAC-SHA256(auth key, offload key, layout fingerprint, payload)[:16]
 
 The tag replaces the checksum: it covers the payload's integrity as well as
-who wrote it (see :mod:`tiering.auth`). The key id is a public digest of the
+who wrote it (see :mod:`tiering.tier.auth`). The key id is a public digest of the
 auth key (the first 4 bytes of its tag over nothing): engines with different
 keys, or a key rotated, use different key names and never fight over (or
 delete as forged) each other's blocks. A tier with an auth key reads format 2
@@ -43,9 +43,9 @@ import struct
 
 import xxhash
 
-from tiering.auth import TAG_BYTES, BlockAuthenticator
 from tiering.copy.bulk import address_of, copy_regions
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
+from tiering.tier.auth import TAG_BYTES, BlockAuthenticator
 from tiers.redis.errors import RejectedValue
 
 MAGIC = b"KVTB"

@@ -18,8 +18,8 @@ from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tiering.errors import BlockNotFound
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound
+from tiering.core.keys import OffloadKey
 from tiers.redis.errors import RejectedValue
 from tiers.redis.layout import BlockLayout
 from tiers.redis.rejections import RejectionLog

@@ -15,7 +15,7 @@ and what their replies mean for the runtime.
 The server's contents change behind our back (other engines write, the server
 evicts under ``maxmemory``, keys expire), so the tier is ``shared``: the
 runtime resolves presence with :meth:`RedisTier.contains_many`, and a load of
-a key that vanished raises :class:`~tiering.errors.BlockNotFound` (a miss).
+a key that vanished raises :class:`~tiering.core.errors.BlockNotFound` (a miss).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from tiering.errors import ConfigError, PartialBatchError
-from tiering.keys import OffloadKey
+from tiering.core.errors import ConfigError, PartialBatchError
+from tiering.core.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 from tiers.redis.config import RedisTierConfig
 from tiers.redis.connection import build_client, translate
@@ -51,7 +51,7 @@ class RedisTier(AsyncTier):
 
     Construct it with the keyword settings of :class:`RedisTierConfig` (what
     users write in ``secondary_tiers``); every value is validated here and a
-    bad one raises :class:`~tiering.errors.ConfigError`. No connection is made
+    bad one raises :class:`~tiering.core.errors.ConfigError`. No connection is made
     before :meth:`open`.
     """
 

@@ -55,7 +55,7 @@ from tiering.copy.cuda.device import CudaDevice, DeviceEvent
 from tiering.copy.engine import CopyEngine, CopyJob, CopyOutcome
 from tiering.copy.layout import KVLayout
 from tiering.copy.plan import BlockCopies, Lane, TransferPlan
-from tiering.errors import TierClosedError
+from tiering.core.errors import TierClosedError
 
 logger = logging.getLogger(__name__)
 

@@ -30,17 +30,17 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tiering.config import _cascade_admission
-from tiering.jobs import JobMetadata
-from tiering.keys import OffloadKey
+from tiering.core.jobs import JobMetadata
+from tiering.core.keys import OffloadKey
+from tiering.core.specs import as_block_ids
 from tiering.policies.admission import AdmissionPolicy
-from tiering.specs import as_block_ids
 
 
 def admission_policy(extra: Mapping[str, Any], capacity: int) -> AdmissionPolicy[OffloadKey] | None:
     """The policy ``cascade_admission`` names, or None for ``"all"`` (no work per block).
 
     ``capacity`` is the CPU tier's number of chunks (the scale of the policy's
-    history). Raises :class:`~tiering.errors.ConfigError` for a setting that
+    history). Raises :class:`~tiering.core.errors.ConfigError` for a setting that
     names no policy, and what the policy raises for bad options.
     """
     choice = _cascade_admission(extra)

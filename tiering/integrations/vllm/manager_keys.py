@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tiering.config import _cascade_admission, _flag, _seconds
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 
 #: What our tiers take from the top level when their entry does not say.
 TIER_DEFAULTS = {

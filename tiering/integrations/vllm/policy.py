@@ -15,7 +15,7 @@ does everywhere else and answers what to hand vLLM:
   the resolved choice, published as an attribute of this module so vLLM's
   ``CachePolicyFactory`` can import it by name.
 
-Bad settings raise :class:`~tiering.errors.ConfigError` when the spec is built.
+Bad settings raise :class:`~tiering.core.errors.ConfigError` when the spec is built.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.policies import EvictionPolicy, PolicyChoice, resolve_policy
 
 #: Policies vLLM ships; these names keep vLLM's implementation.

@@ -43,12 +43,12 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 import tiering.integrations.vllm.platform as platform_probe
 from tiering.config import check_host_memory, shown
 from tiering.copy import CopyWorker, make_copy_worker
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
+from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.integrations.vllm.manager_keys import check_manager_keys
 from tiering.integrations.vllm.policy import vllm_cache_policy
 from tiering.integrations.vllm.translate import vllm_row_layout
-from tiering.specs import CPULoadStoreSpec, GPULoadStoreSpec
-from tiering.units import config_bytes
+from tiering.support.units import config_bytes
 
 logger = logging.getLogger("tiering.integrations.vllm")
 

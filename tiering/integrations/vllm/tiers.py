@@ -31,15 +31,15 @@ from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiering.config import pinned_fraction
-from tiering.errors import ConfigError, TierClosedError
+from tiering.core.errors import ConfigError, TierClosedError
+from tiering.core.keys import OffloadKey
 from tiering.integrations.vllm import translate
 from tiering.integrations.vllm.admission import OfferAdmission, admission_policy
 from tiering.integrations.vllm.backpressure import PinnedShareDetector
 from tiering.integrations.vllm.manager_keys import check_manager_keys
-from tiering.keys import OffloadKey
 from tiering.manager.backpressure import JobsInFlight
-from tiering.metrics_secondary import SecondaryTierExport
-from tiering.metrics_server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
+from tiering.metrics.secondary import SecondaryTierExport
+from tiering.metrics.server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager, TierStats
 

@@ -13,8 +13,8 @@ from typing import Any
 from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.base import JobResult as VllmJobResult
 
-from tiering.jobs import JobMetadata, JobResult
-from tiering.keys import OffloadKey, ReqContext
+from tiering.core.jobs import JobMetadata, JobResult
+from tiering.core.keys import OffloadKey, ReqContext
 
 
 def lookup_result(answer: bool | None) -> Any:
@@ -25,7 +25,7 @@ def lookup_result(answer: bool | None) -> Any:
 
 
 def request_context(vllm_context: Any) -> ReqContext:
-    """Our :class:`~tiering.keys.ReqContext` for a vLLM ``ReqContext``.
+    """Our :class:`~tiering.core.keys.ReqContext` for a vLLM ``ReqContext``.
 
     Built once per request and kept in the vLLM context's per-request scratch
     space (``set_state``, keyed by type), so the hot path converts nothing.
@@ -40,7 +40,7 @@ def request_context(vllm_context: Any) -> ReqContext:
 
 
 def job_metadata(transfer_job: Any, *, is_promotion: bool) -> JobMetadata:
-    """Our :class:`~tiering.jobs.JobMetadata` for a vLLM ``TransferJob``.
+    """Our :class:`~tiering.core.jobs.JobMetadata` for a vLLM ``TransferJob``.
 
     vLLM's ``chunk_ids`` are rows of the primary tier's buffer, exactly our
     ``block_ids``. ``is_promotion`` comes from the entry point vLLM called

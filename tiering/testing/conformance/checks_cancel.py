@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-from tiering.errors import BlockNotFound
-from tiering.keys import OffloadKey
+from tiering.core.errors import BlockNotFound
+from tiering.core.keys import OffloadKey
 from tiering.testing.conformance.checks_data import with_tier
 from tiering.testing.conformance.kit import Kit, TrackedTier, show_key
 

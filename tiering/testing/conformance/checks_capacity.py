@@ -11,7 +11,7 @@ absent *and* reported removed.
 
 from __future__ import annotations
 
-from tiering.errors import BlockNotFound
+from tiering.core.errors import BlockNotFound
 from tiering.testing.conformance.checks_data import with_tier
 from tiering.testing.conformance.kit import Kit, Skip, TrackedTier, show_key
 

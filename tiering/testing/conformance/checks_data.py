@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from tiering.errors import BlockNotFound, PartialBatchError
+from tiering.core.errors import BlockNotFound, PartialBatchError
 from tiering.testing.conformance.kit import Kit, Skip, TrackedTier, gather_all, show_key
 
 #: Keys per check that verifies bytes: a tier corrupting half its keys passes with p = 2**-32.

@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tiering.keys import OffloadKey
+from tiering.core.keys import OffloadKey
 from tiering.testing.conformance.checks_data import with_tier
 from tiering.testing.conformance.kit import Kit, TrackedTier
 
@@ -140,8 +140,8 @@ async def deadline_through_facade(kit: Kit) -> None:
     # Imported here: the runtime imports this package's siblings, not the reverse.
     import numpy as np
 
-    from tiering.jobs import JobMetadata
-    from tiering.keys import NO_CONTEXT
+    from tiering.core.jobs import JobMetadata
+    from tiering.core.keys import NO_CONTEXT
     from tiering.runtime import AsyncTierManager
     from tiering.testing.faults import FaultPlan, FaultyTier
 

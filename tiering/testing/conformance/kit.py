@@ -21,8 +21,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from tiering.errors import BlockNotFound
-from tiering.keys import OffloadKey, make_offload_key
+from tiering.core.errors import BlockNotFound
+from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.testing.conformance.options import KitOptions
 from tiering.tier import AsyncTier, TierContext
 

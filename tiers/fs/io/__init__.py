@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiers.fs.io.backend import IoBackend
 from tiers.fs.io.ops import IoOp, OpKind, Priority
 from tiers.fs.io.threads import ThreadBackend

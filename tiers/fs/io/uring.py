@@ -6,7 +6,7 @@ every syscall). Completions are signalled through an eventfd registered on the
 ring and watched with ``loop.add_reader``; nothing ever blocks the loop.
 
 Before a ring is used in this process, :func:`uring_unavailable_reason` has
-exercised the backend in a child process (:mod:`tiering.native_probe`), so a
+exercised the backend in a child process (:mod:`tiering.support.native_probe`), so a
 machine where it would crash the interpreter only loses the fast path.
 
 At most ``queue_depth`` ops are in the kernel at once; plain writes may
@@ -23,7 +23,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 
-from tiering.native_probe import probe_in_child
+from tiering.support.native_probe import probe_in_child
 from tiers.fs.io.aligned import address_of
 from tiers.fs.io.backend import EventFd, IoBackend, wait_uncancelled
 from tiers.fs.io.kernel_ring import KernelRing, RingFull, ring_unsupported_reason

@@ -8,7 +8,7 @@ series by default (see :mod:`tiering.metrics`). It is what the
 works inside a vLLM engine process: the server is started once per process
 and port, so a second spec, manager or call with the same port gets the
 running server back. A port another process (or another exporter in this
-one) holds raises :class:`~tiering.errors.ConfigError` naming the port. The
+one) holds raises :class:`~tiering.core.errors.ConfigError` naming the port. The
 servers live until the process exits; :func:`stop_metrics_server` stops one
 early (tests).
 """
@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.metrics import metrics_available, prometheus_client
 
 #: Address the endpoint listens on unless told otherwise: every interface, as
@@ -69,7 +69,7 @@ def serve_metrics(port: int, host: str = DEFAULT_METRICS_HOST) -> MetricsServer:
     """Serve this process's ``kv_tiering_*`` series on ``host:port``; idempotent per port.
 
     Returns the running server (the same one for the same port). Raises
-    :class:`~tiering.errors.ConfigError` when the port is taken, naming it,
+    :class:`~tiering.core.errors.ConfigError` when the port is taken, naming it,
     or when the same port was already served on another host.
     """
     port = check_metrics_port(port)

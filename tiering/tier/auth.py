@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 
 __all__ = [
     "AUTH_OPTION_NAMES",

@@ -8,7 +8,7 @@ concurrency, results, presence bookkeeping for lookups, and events.
 The implementor's contract
 --------------------------
 **Construction.** ``__init__`` only validates and stores options (raise
-:class:`~tiering.errors.ConfigError` for bad ones); it runs on the caller's
+:class:`~tiering.core.errors.ConfigError` for bad ones); it runs on the caller's
 thread before the tier's loop exists, so it must not touch a loop, connect or
 do I/O. :meth:`AsyncTier.open` does that, on the tier's loop.
 
@@ -42,8 +42,8 @@ in the medium. A cancelled ``read`` may leave ``into`` partly written; the
 framework discards it.
 
 **Errors.** Raise, never return sentinels. A missing block raises
-:class:`~tiering.errors.BlockNotFound`; bytes that fail verification raise
-:class:`~tiering.errors.CorruptBlock`; anything else (``OSError``,
+:class:`~tiering.core.errors.BlockNotFound`; bytes that fail verification raise
+:class:`~tiering.core.errors.CorruptBlock`; anything else (``OSError``,
 ``TimeoutError``, a client's error) propagates. The framework turns every
 error into a failed job, a counter and one log line; a failed load is a miss.
 
@@ -82,8 +82,8 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 
-from tiering.errors import PartialBatchError
-from tiering.keys import OffloadKey
+from tiering.core.errors import PartialBatchError
+from tiering.core.keys import OffloadKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +139,7 @@ class AsyncTier:
         Optional (the default checks nothing; the constructor still checks
         every value). Override it for what a user should learn at spec
         construction rather than at engine start; raise
-        :class:`~tiering.errors.ConfigError` naming the option. Runs on the
+        :class:`~tiering.core.errors.ConfigError` naming the option. Runs on the
         caller's thread and must not touch the outside world (no files
         created, no connections).
         """
@@ -175,8 +175,8 @@ class AsyncTier:
     async def read(self, key: OffloadKey, into: memoryview) -> None:
         """Copy ``key``'s block into ``into`` (exactly ``block_bytes`` bytes).
 
-        Raises :class:`~tiering.errors.BlockNotFound` if absent and
-        :class:`~tiering.errors.CorruptBlock` if its bytes fail verification.
+        Raises :class:`~tiering.core.errors.BlockNotFound` if absent and
+        :class:`~tiering.core.errors.CorruptBlock` if its bytes fail verification.
         Cancellation: ``into`` may be left partly written; it is discarded.
         """
         raise NotImplementedError
@@ -229,7 +229,7 @@ class AsyncTier:
     async def read_many(self, keys: Sequence[OffloadKey], into: Sequence[memoryview]) -> None:
         """``read`` for several keys; batch it where the medium allows.
 
-        Raises :class:`~tiering.errors.PartialBatchError` naming the keys that
+        Raises :class:`~tiering.core.errors.PartialBatchError` naming the keys that
         succeeded and the error of each one that failed. Default: ``read`` for
         each key concurrently. Cancellation: as for ``read``.
         """
@@ -241,7 +241,7 @@ class AsyncTier:
     async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
         """``write`` for several keys; batch it where the medium allows.
 
-        Raises :class:`~tiering.errors.PartialBatchError` like ``read_many``.
+        Raises :class:`~tiering.core.errors.PartialBatchError` like ``read_many``.
         Cancellation: as for ``write``, per block.
         """
         pairs = list(zip(keys, data, strict=True))

@@ -4,7 +4,7 @@ This module owns the host-memory checks of the config: :func:`host_memory` reads
 what the machine (``MemAvailable`` in ``/proc/meminfo``) or its container (cgroup
 v2 ``memory.max``) can still give, and :func:`check_host_memory` refuses a
 buffer larger than that, or a shared buffer larger than what is free in
-``/dev/shm``, with a :class:`~tiering.errors.ConfigError` naming the key and the
+``/dev/shm``, with a :class:`~tiering.core.errors.ConfigError` naming the key and the
 fix instead of an ENOMEM after a traceback.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tiering.errors import ConfigError
-from tiering.host_buffer import SHM_DIR  # where POSIX shared memory lives (its own tmpfs)
-from tiering.units import format_bytes
+from tiering.core.errors import ConfigError
+from tiering.primary.host_buffer import SHM_DIR  # where POSIX shared memory lives (its own tmpfs)
+from tiering.support.units import format_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ the options the tier class's constructor accepts and requires
 identity for request filters and events (:func:`tier_identity`), and the
 reading of an entry written for vLLM with our adapter classes as our own
 (:func:`from_vllm_entry`). :func:`check_tier_config` runs all of it and raises
-:class:`~tiering.errors.ConfigError` naming the entry's position and type. Everything
+:class:`~tiering.core.errors.ConfigError` naming the entry's position and type. Everything
 here is importable from :mod:`tiering.registry` too.
 """
 
@@ -17,12 +17,12 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from tiering.auth import AUTH_OPTION_NAMES, authenticator_from_options
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.manager.filters import LOCALITIES, MEDIA
+from tiering.registry.types import resolve_tier_class
 from tiering.runtime.facade import check_runtime_options
 from tiering.tier import AsyncTier
-from tiering.tier_types import resolve_tier_class
+from tiering.tier.auth import AUTH_OPTION_NAMES, authenticator_from_options
 
 #: Keys of a tier's config dict that configure the runtime, not the tier.
 FRAMEWORK_KEYS = (

@@ -3,8 +3,8 @@
 This module owns what each key of the stack's config accepts and what it
 defaults to: every reader takes the user's mapping, applies the key's default
 when the key is absent or ``null``, and returns the checked value or raises
-:class:`~tiering.errors.ConfigError` naming the key, what is accepted and the
-value given (quoted by :func:`~tiering.quoting.shown`). :mod:`tiering.config`
+:class:`~tiering.core.errors.ConfigError` naming the key, what is accepted and the
+value given (quoted by :func:`~tiering.support.quoting.shown`). :mod:`tiering.config`
 assembles them into a :class:`~tiering.config.TieringConfig`; the vLLM adapter
 reuses a few for the keys it reads itself.
 """
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.policies import PolicyChoice, resolve_admission, resolve_policy
-from tiering.quoting import shown
-from tiering.units import config_bytes
+from tiering.support.quoting import shown
+from tiering.support.units import config_bytes
 
 DEFAULT_EVICTION_POLICY = "lru"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
@@ -179,7 +179,7 @@ def _metrics_port(extra: Mapping[str, Any]) -> int | None:
     value = _get(extra, "metrics_port", None)
     if value is None:
         return None
-    from tiering.metrics_server import check_metrics_port
+    from tiering.metrics.server import check_metrics_port
 
     return check_metrics_port(value)
 

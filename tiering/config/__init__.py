@@ -10,7 +10,7 @@ Users write the same dict they would give vLLM's own tiering spec::
     }
 
 :meth:`TieringConfig.from_extra_config` checks every value and raises
-:class:`~tiering.errors.ConfigError` naming the key and what is accepted.
+:class:`~tiering.core.errors.ConfigError` naming the key and what is accepted.
 :class:`BlockGeometry` turns the KV layout (given as plain numbers, so this
 module never imports vLLM) and ``block_size`` into the bytes of one offloaded
 block and the number of primary blocks. Tier-specific keys are checked by the
@@ -19,8 +19,8 @@ tier registry when the tier is built.
 This module owns the config's shape: the keys it knows (:data:`KNOWN_KEYS`, with a
 warning for a likely misspelling), the immutable :class:`TieringConfig` assembled
 from them, and :class:`BlockGeometry`. What each key accepts and defaults to is
-checked in :mod:`tiering.config_checks`; whether the host can give the memory asked
-for, in :mod:`tiering.host_memory`. Both are importable from here too.
+checked in :mod:`tiering.config.checks`; whether the host can give the memory asked
+for, in :mod:`tiering.primary.host_memory`. Both are importable from here too.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tiering.config_checks import (
+from tiering.config.checks import (
     DEFAULT_CASCADE_MAX_PINNED_FRACTION,
     DEFAULT_EVICTION_POLICY,
     DEFAULT_FAILED_PROMOTION_BACKOFF_S,
@@ -49,11 +49,11 @@ from tiering.config_checks import (
     _store_threshold,
     pinned_fraction,
 )
-from tiering.errors import ConfigError
-from tiering.host_buffer import SHM_DIR
-from tiering.host_memory import HostMemory, check_host_memory, host_memory
+from tiering.core.errors import ConfigError
 from tiering.policies import PolicyChoice, resolve_policy
-from tiering.quoting import shown
+from tiering.primary.host_buffer import SHM_DIR
+from tiering.primary.host_memory import HostMemory, check_host_memory, host_memory
+from tiering.support.quoting import shown
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +238,8 @@ __all__ = [
     "BlockGeometry",
     "KNOWN_KEYS",
     "TieringConfig",
-    # defined in tiering.config_checks, tiering.host_memory, tiering.host_buffer and
-    # tiering.quoting, and importable from here as they were before the split
+    # defined in tiering.config.checks, tiering.primary.host_memory, tiering.primary.host_buffer and
+    # tiering.support.quoting, and importable from here as they were before the split
     "DEFAULT_CASCADE_MAX_PINNED_FRACTION",
     "DEFAULT_EVICTION_POLICY",
     "DEFAULT_FAILED_PROMOTION_BACKOFF_S",

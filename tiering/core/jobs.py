@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from tiering.keys import OffloadKey, ReqContext
-from tiering.specs import BlockIds, as_block_ids
+from tiering.core.keys import OffloadKey, ReqContext
+from tiering.core.specs import BlockIds, as_block_ids
 
 JobId = int
 

@@ -16,7 +16,7 @@ import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
-from tiering.errors import ConfigError
+from tiering.core.errors import ConfigError
 from tiering.tier import AsyncTier
 
 #: Built-in tier names and the classes they import lazily ("module:Class").
@@ -69,7 +69,7 @@ def known_tier_types() -> list[str]:
 def resolve_tier_class(type_name: str, module_path: str | None = None) -> type[AsyncTier]:
     """The tier class a ``type`` (and optional vLLM-style ``module_path``) names.
 
-    Raises :class:`~tiering.errors.ConfigError` for an unknown name, a path
+    Raises :class:`~tiering.core.errors.ConfigError` for an unknown name, a path
     that does not import, or something that is not an AsyncTier subclass.
     """
     if not isinstance(type_name, str) or not type_name:

@@ -5,7 +5,7 @@ does not inherit it) or a named POSIX shared-memory object under
 ``/dev/shm``, which a GPU worker process attaches to by name to copy blocks
 into and out of the same bytes. Both ask for huge pages; where the kernel's
 settings refuse them the creation logs why, once per process (see
-:mod:`tiering.mappings`). Either way the mapping starts on a page boundary, so with
+:mod:`tiering.primary.mappings`). Either way the mapping starts on a page boundary, so with
 ``block_bytes`` a multiple of 4096 every row is aligned for ``O_DIRECT``.
 
 Views (``view``, ``row``, ``as_numpy``, ``as_torch``) never copy. They stay
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from tiering.errors import ConfigError
-from tiering.mappings import (
+from tiering.core.errors import ConfigError
+from tiering.primary.mappings import (
     HUGE_PAGE_BYTES,
     advise_huge_pages,
     huge_pages_refused,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 DIRECT_IO_ALIGNMENT = 4096
 
 SHM_DIR = "/dev/shm"
-logger = logging.getLogger("tiering.host_buffer")
+logger = logging.getLogger("tiering.primary.host_buffer")
 _SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
@@ -129,7 +129,7 @@ def _locked(path: str) -> bool:
 
 
 def validate_geometry(num_blocks: int, block_bytes: int, require_alignment: bool) -> None:
-    """Raise :class:`~tiering.errors.ConfigError` unless the buffer geometry is usable."""
+    """Raise :class:`~tiering.core.errors.ConfigError` unless the buffer geometry is usable."""
     for label, value in (("num_blocks", num_blocks), ("block_bytes", block_bytes)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{label} must be an int, got {value!r}")
@@ -221,7 +221,7 @@ class HostBuffer(BlockGeometry):
         ``require_alignment`` (the default) demands ``block_bytes`` be a
         multiple of 4096 so every row is usable with ``O_DIRECT``.
 
-        Raises :class:`~tiering.errors.ConfigError` (a ``ValueError``) for bad
+        Raises :class:`~tiering.core.errors.ConfigError` (a ``ValueError``) for bad
         geometry or name, ``FileExistsError`` if the name is taken and
         ``OSError`` if the memory cannot be reserved.
         """
@@ -271,7 +271,7 @@ class HostBuffer(BlockGeometry):
 
         The object's size must be exactly ``num_blocks * block_bytes``: a
         mismatch means the two sides disagree on the layout and raises
-        :class:`~tiering.errors.ConfigError`. ``FileNotFoundError`` if absent.
+        :class:`~tiering.core.errors.ConfigError`. ``FileNotFoundError`` if absent.
         """
         validate_geometry(num_blocks, block_bytes, require_alignment=False)
         path = os.path.join(SHM_DIR, _validate_name(name))

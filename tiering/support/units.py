@@ -14,8 +14,8 @@ import math
 import re
 from typing import Any
 
-from tiering.errors import ConfigError
-from tiering.quoting import shown
+from tiering.core.errors import ConfigError
+from tiering.support.quoting import shown
 
 _UNITS = {
     "": 1, "b": 1,
@@ -78,7 +78,7 @@ def parse_size(text: str) -> int:
 
 def config_bytes(key: str, value: object) -> int:
     """A byte size from a config value: an int, an integral float (JSON's ``1e9``) or a string
-    with a unit. Raises :class:`~tiering.errors.ConfigError` naming ``key``."""
+    with a unit. Raises :class:`~tiering.core.errors.ConfigError` naming ``key``."""
     if isinstance(value, bool):
         raise ConfigError(f"{key} must be {SIZE_HINT}, got {value!r}")
     number: int | None = None

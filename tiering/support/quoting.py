@@ -4,8 +4,8 @@ This module owns :func:`shown`, the one way a config value, a command-line
 argument or a trace field is quoted when a message refuses it. A value can be
 huge (a long string, a YAML structure that aliases expand, an integer of
 thousands of digits): messages show its start, never the whole thing. It
-imports nothing of ours, so every module that checks values (:mod:`tiering.units`,
-:mod:`tiering.config_checks`, :mod:`tiering.config`) can import it at module level.
+imports nothing of ours, so every module that checks values (:mod:`tiering.support.units`,
+:mod:`tiering.config.checks`, :mod:`tiering.config`) can import it at module level.
 """
 
 from __future__ import annotations

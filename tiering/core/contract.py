@@ -10,8 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from tiering.keys import OffloadKey, ReqContext
-from tiering.specs import LoadStoreSpec
+from tiering.core.keys import OffloadKey, ReqContext
+from tiering.core.specs import LoadStoreSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ class OffloadingManager(ABC):
 
         Every key must be readable (``lookup`` returned True). The blocks stay
         protected from eviction until ``complete_load``. Raises
-        :class:`~tiering.errors.ContractError` otherwise, changing nothing.
+        :class:`~tiering.core.errors.ContractError` otherwise, changing nothing.
         """
 
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:  # noqa: B027

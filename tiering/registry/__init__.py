@@ -4,7 +4,7 @@ This module owns building and starting the tier an entry describes
 (:func:`create_secondary_tier`: on a loop thread of this process, or in a child
 process) and the one-line note naming a tier that failed to start
 (:func:`tier_start_failure`). Which class a ``type`` names is resolved in
-:mod:`tiering.tier_types`, and an entry is checked in :mod:`tiering.tier_entries`;
+:mod:`tiering.registry.types`, and an entry is checked in :mod:`tiering.registry.entries`;
 their public names are importable from here as well.
 
 A ``type`` names a tier class (an :class:`~tiering.tier.AsyncTier` subclass),
@@ -60,7 +60,7 @@ The other keys of the dict are split in two. The *framework's* keys
 Every other key is passed to the tier class's constructor as a keyword.
 Before constructing, the constructor's signature is checked: an unknown
 keyword or a missing required argument raises
-:class:`~tiering.errors.ConfigError` naming the tier's position in the list,
+:class:`~tiering.core.errors.ConfigError` naming the tier's position in the list,
 its type and the offending key, and listing what is accepted.
 """
 
@@ -72,11 +72,9 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tiering.errors import ConfigError
-from tiering.host_buffer import HostBuffer
-from tiering.runtime import AsyncTierManager
-from tiering.tier import AsyncTier
-from tiering.tier_entries import (
+from tiering.core.errors import ConfigError
+from tiering.primary.host_buffer import HostBuffer
+from tiering.registry.entries import (
     FRAMEWORK_KEYS,
     ISOLATION_MODES,
     MANAGER_OPTIONS,
@@ -85,7 +83,7 @@ from tiering.tier_entries import (
     tier_identity,
     tier_options,
 )
-from tiering.tier_types import (
+from tiering.registry.types import (
     BUILTIN_TIERS,
     ENTRY_POINT_GROUP,
     known_tier_types,
@@ -93,6 +91,8 @@ from tiering.tier_types import (
     resolve_tier_class,
     unregister_tier_type,
 )
+from tiering.runtime import AsyncTierManager
+from tiering.tier import AsyncTier
 
 
 def create_secondary_tier(
@@ -109,7 +109,7 @@ def create_secondary_tier(
     With ``isolation: process`` the tier is built and run in a child process
     (:class:`~tiering.isolation.IsolatedTierManager`) over ``primary_buffer``,
     the named shared buffer behind ``primary_kv_view``.
-    Configuration mistakes raise :class:`~tiering.errors.ConfigError` naming
+    Configuration mistakes raise :class:`~tiering.core.errors.ConfigError` naming
     the position, the type and the offending key, before anything is
     started; an error opening the tier propagates as the tier raised it, with
     a note (:func:`tier_start_failure`) naming the tier, the cause and the fix.

@@ -2,7 +2,7 @@
 
 Without ``prometheus_client`` every call here is a cheap no-op. With it, each
 manager gets a :class:`MetricsExport`: the manager *publishes* an immutable
-:class:`~tiering.stats.ManagerStats` snapshot from the scheduler thread (a
+:class:`~tiering.core.stats.ManagerStats` snapshot from the scheduler thread (a
 reference swap), and a collector turns the latest snapshot of every live
 manager into metric families when Prometheus scrapes, on whatever thread the
 HTTP server uses. The scrape thread therefore never reads the manager's
@@ -13,7 +13,7 @@ Metric names start with ``kv_tiering_``; per-tier series carry the labels
 suffix; ``kv_tiering_tier_job_seconds`` is a histogram of finished jobs'
 durations (``_bucket``, ``_sum``, ``_count``). Serve them with the
 ``metrics_port`` option, ``tiering replay --metrics-port`` or
-:func:`tiering.metrics_server.serve_metrics` (see ``docs/metrics.md``).
+:func:`tiering.metrics.server.serve_metrics` (see ``docs/metrics.md``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tiering.stats import JOB_SECONDS_BUCKETS, ManagerStats, TierStats
+from tiering.core.stats import JOB_SECONDS_BUCKETS, ManagerStats, TierStats
 
 prometheus_client: Any
 try:  # optional dependency: metrics are a no-op without it

@@ -11,7 +11,7 @@ Every block of the host buffer is in exactly one state:
 
 All methods run on the scheduler thread, never block and do O(1) work per key
 (``check_invariants`` excepted). Misuse raises
-:class:`~tiering.errors.ContractError` naming the offending keys, before
+:class:`~tiering.core.errors.ContractError` naming the offending keys, before
 anything changes.
 """
 
@@ -21,12 +21,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
-from tiering.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from tiering.errors import ConfigError, ContractError, TierClosedError
-from tiering.host_buffer import BlockGeometry, HostBuffer, validate_geometry
-from tiering.keys import OffloadKey, ReqContext
+from tiering.core.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from tiering.core.errors import ConfigError, ContractError, TierClosedError
+from tiering.core.keys import OffloadKey, ReqContext
+from tiering.core.specs import CPULoadStoreSpec
 from tiering.policies import EvictionPolicy, PolicyChoice, make_policy
-from tiering.specs import CPULoadStoreSpec
+from tiering.primary.host_buffer import BlockGeometry, HostBuffer, validate_geometry
 
 MEDIUM = "CPU"
 _KEYS_SHOWN = 4
@@ -55,7 +55,7 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
     collects an :class:`OffloadingEvent` per batch of blocks stored or
     evicted, for :meth:`take_events`.
 
-    Raises :class:`~tiering.errors.ConfigError` for a bad policy name,
+    Raises :class:`~tiering.core.errors.ConfigError` for a bad policy name,
     geometry or buffer, before allocating anything.
     """
 
@@ -173,7 +173,7 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         """Pin ready blocks for a worker to read; the spec lists their rows in key order.
 
         A key listed twice is pinned twice (and must be completed twice).
-        Raises :class:`~tiering.errors.ContractError` naming the keys that are
+        Raises :class:`~tiering.core.errors.ContractError` naming the keys that are
         not ready, changing nothing.
         """
         self._check_open()
@@ -201,7 +201,7 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         """Release one load pin per listed key (a key listed twice releases two).
 
-        Raises :class:`~tiering.errors.ContractError` naming the keys without
+        Raises :class:`~tiering.core.errors.ContractError` naming the keys without
         that many load pins, changing nothing.
         """
         pins = self._load_pins
@@ -266,7 +266,7 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         """Finish prepared stores: ready (and announced) on success, rows freed on failure.
 
         Every key must be being stored, listed once. Raises
-        :class:`~tiering.errors.ContractError` naming the keys that are not
+        :class:`~tiering.core.errors.ContractError` naming the keys that are not
         (already completed, never prepared, or duplicated), changing nothing.
         """
         storing = self._storing
