@@ -177,3 +177,19 @@ def documented_imports() -> list[str]:
 def test_a_documented_import_works(statement: str) -> None:
     namespace: dict[str, object] = {}
     exec(statement, namespace)
+
+
+#: A module a newcomer can hold in their head (benchmarks/: tests/test_benchmarks_smoke.py).
+MAX_MODULE_LINES = 450
+
+
+def test_every_module_is_small_and_says_what_it_owns() -> None:
+    too_long, silent = [], []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "tiers").rglob("*.py")]):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        if text.strip() and ast.get_docstring(ast.parse(text)) is None:
+            silent.append(str(path.relative_to(ROOT)))
+    assert too_long == []
+    assert silent == []
