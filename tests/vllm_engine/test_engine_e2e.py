@@ -16,7 +16,11 @@ tiny local Llama, greedy decoding, the same prompt schedule:
   engine: A2's tokens must change, proving the outputs depend on the loaded bytes;
 - hybrid: a Gemma-3-style model alternating sliding-window and full attention
   (two KV-cache groups of different kinds), block-size factor 1 and 2, with our
-  filesystem tier: the same schedule, shorter prompts in a smaller engine.
+  filesystem tier: the same schedule, shorter prompts in a smaller engine;
+- MLA: a DeepSeek-V2-style model with multi-head latent attention (one latent
+  row per token and layer, no K/V split; vLLM's CPU MLA backend, 16-token engine
+  blocks, its prefix cache off) with our filesystem tier: the same schedule,
+  shorter prompts and 8 tokens per request.
 
 Pass criteria: greedy tokens identical to the baseline for every request, the
 repeated prompt served from offload (cached tokens reported by the engine),
@@ -38,7 +42,7 @@ import pytest
 
 from tests.support.redis_server import RedisServer
 from tests.vllm_engine.engine_run import kv_bytes_per_block
-from tests.vllm_engine.tiny_model import build, build_hybrid
+from tests.vllm_engine.tiny_model import build, build_hybrid, build_mla
 
 REPO = Path(__file__).resolve().parents[2]
 OURS = "tiering.integrations.vllm"
@@ -352,3 +356,72 @@ def blocks_stored(run: dict[str, Any]) -> int:
     found = re.findall(r"kv-tiering tier '\w+' shut down: (\d+) blocks stored", run["log"])
     assert len(found) == 1, "the engine did not shut our tier down"
     return int(found[0])
+
+
+# -- an MLA model: one latent row per token and layer, no K/V split -------------------------------
+
+MLA_BLOCK_SIZE = 16  # vLLM's CPU MLA kernel takes no other engine block size (vLLM forces it)
+MLA_WORDS = 200
+MLA_TOKENS = 8  # build_mla's docstring: its margins over the first 8 tokens are measured
+MLA_SCHEDULE = [["A1", 0, MLA_WORDS, MLA_TOKENS]] + [
+    [f"F{i}", i, MLA_WORDS, MLA_TOKENS] for i in range(1, 5)
+]
+MLA_SCHEDULE.append(["A2", 0, MLA_WORDS, MLA_TOKENS])
+MLA_MAX_MODEL_LEN = 256
+MLA_ENGINE_BLOCKS = MLA_MAX_MODEL_LEN // MLA_BLOCK_SIZE + 1  # one request (+ vLLM's null block)
+MLA_CPU_CHUNKS = 12  # two prompts' chunks: A leaves the CPU tier before A2
+
+
+def mla_kv_bytes_per_block(model: str, block_size: int) -> int:
+    """Engine KV bytes of one block of an MLA model: a latent row per token and layer, bf16."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    row = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    return config["num_hidden_layers"] * row * 2 * block_size
+
+
+def mla_sizes(model: str) -> dict[str, int]:
+    """``run_engine`` sizes for the MLA model (``engine_run`` sizes the KV cache in blocks of
+    the K/V layout, from the config's ``num_key_value_heads`` and ``head_dim``)."""
+    kv_layout_bytes = kv_bytes_per_block(model, MLA_BLOCK_SIZE)
+    engine_bytes = mla_kv_bytes_per_block(model, MLA_BLOCK_SIZE) * MLA_ENGINE_BLOCKS
+    return {
+        "block_size": MLA_BLOCK_SIZE,
+        "engine_blocks": -(-engine_bytes // kv_layout_bytes),
+        "max_model_len": MLA_MAX_MODEL_LEN,
+    }
+
+
+@pytest.fixture(scope="module")
+def mla_model(workdir: Path) -> str:
+    return str(build_mla(workdir / "mla-model"))
+
+
+@pytest.fixture(scope="module")
+def mla_baseline(workdir: Path, mla_model: str) -> dict[str, Any]:
+    return run_engine(
+        workdir, "mla-baseline", mla_model, None, MLA_SCHEDULE, **mla_sizes(mla_model)
+    )
+
+
+def test_an_mla_model_is_served_from_our_tier(
+    workdir: Path, mla_model: str, mla_baseline: dict[str, Any]
+) -> None:
+    """DeepSeek-V2-style multi-head latent attention: vLLM's KV cache is one [blocks, 16, 576]
+    tensor per layer; our worker copies those rows (two engine blocks per 32-token chunk) and
+    our filesystem tier stores them."""
+    tier = {"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(workdir / "m")}
+    config = offload_config(mla_model, [tier])
+    chunk_bytes = mla_kv_bytes_per_block(mla_model, BLOCK_SIZE)
+    config["kv_connector_extra_config"]["cpu_bytes_to_use"] = chunk_bytes * MLA_CPU_CHUNKS
+    run = run_engine(workdir, "mla", mla_model, config, MLA_SCHEDULE, **mla_sizes(mla_model))
+    for engine in (mla_baseline, run):
+        assert re.search(r"Using (CPU|AMX)_MLA backend", engine["log"]), "not served as MLA"
+    factor = BLOCK_SIZE // MLA_BLOCK_SIZE
+    assert f"1 KV-cache group(s), {factor} GPU block(s) per chunk" in run["log"]
+    assert f"{chunk_bytes}-byte blocks" in run["log"]  # our tier: latent rows, no K/V halves
+    assert_same_tokens(run, mla_baseline)
+    assert mla_baseline["by_name"]["A2"]["num_cached_tokens"] == 0, "the baseline kept A"
+    full_chunks = (MLA_WORDS // BLOCK_SIZE) * BLOCK_SIZE
+    assert run["by_name"]["A2"]["num_cached_tokens"] >= full_chunks - BLOCK_SIZE
+    assert metric(run, "vllm:kv_offload_tiering_read_bytes", OUR_TIER_LABEL) > 0  # from disk
+    assert metric(run, "vllm:kv_offload_tiering_chunk_hits", OUR_TIER_LABEL) > 0

@@ -2,7 +2,9 @@
 
 :func:`build` makes a Llama (one KV-cache group); :func:`build_hybrid` a
 Gemma-3-style text model whose layers alternate sliding-window and full
-attention, which vLLM serves with two KV-cache groups of different kinds.
+attention, which vLLM serves with two KV-cache groups of different kinds;
+:func:`build_mla` a DeepSeek-V2 model with multi-head latent attention (dense
+MLPs, no MoE), whose KV cache is one latent row per token and layer.
 
 Every word ``w<i>`` of the vocabulary is exactly one token, so a prompt of N
 words is N + 1 tokens (with BOS) and block boundaries are predictable. The
@@ -134,14 +136,78 @@ def build_hybrid(
     return out
 
 
-def _save_spread(model: Any, out: Path) -> None:
-    """Widely spread weights (greedy outputs then depend on the KV), saved as bf16."""
+def build_mla(
+    out: Path,
+    *,
+    layers: int = 2,
+    seed: int = 4,
+) -> Path:
+    """A DeepSeek-V2 model with multi-head latent attention (MLA), every layer dense; ``out``.
+
+    Same tokenizer and hidden size as :func:`build`. vLLM caches one latent row per
+    token and layer (``kv_lora_rank + qk_rope_head_dim`` values: no K/V split, one
+    KV head); vLLM's CPU MLA kernel only takes a 576-wide row, so the latent rank is
+    DeepSeek's 512 (rope 64) while the rest is tiny. ``first_k_dense_replace`` equal
+    to the layer count makes every MLP dense (no MoE); ``q_lora_rank`` None gives a
+    plain query projection.
+
+    The attention projections are drawn narrower (0.05) than the rest (0.2). A
+    request served from offload computes its uncached tokens through vLLM's
+    context-chunk MLA path (its partial attention outputs rounded to bf16, then
+    merged), not the full prefill the baseline runs; with 0.2 everywhere the second
+    layer's peaked attention amplifies that into logprob changes of 0.5 nats and
+    more: seeds 1, 2 and 4 changed their tokens within the first two, with vLLM's
+    own ExampleConnector just as with ours (measured). With 0.05 the change was at
+    most about 0.1 nats over five seeds, and seed 4's top-2 margin over the first 8
+    tokens of the test's repeated prompt is at least 0.125 (measured).
+    """
+    import json
+
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    build(out)  # the tokenizer, and a config to take its special token ids from
+    llama = json.loads((out / "config.json").read_text())
+    for weights in out.glob("*.safetensors"):
+        weights.unlink()
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=llama["vocab_size"],
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        first_k_dense_replace=layers,  # no MoE layer
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        max_position_embeddings=llama["max_position_embeddings"],
+        bos_token_id=llama["bos_token_id"],
+        eos_token_id=llama["eos_token_id"],
+        pad_token_id=llama["pad_token_id"],
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    _save_spread(DeepseekV2ForCausalLM(config), out, attention_std=0.05)
+    return out
+
+
+def _save_spread(model: Any, out: Path, *, attention_std: float = 0.2) -> None:
+    """Widely spread weights (greedy outputs then depend on the KV), saved as bf16.
+
+    ``attention_std``: the spread of the attention layers' matrices (``self_attn``).
+    """
     import torch
 
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() > 1:
-                param.normal_(0.0, 0.2)
+                param.normal_(0.0, attention_std if ".self_attn." in name else 0.2)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
 
 
