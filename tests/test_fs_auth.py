@@ -28,6 +28,7 @@ from tiers.fs import FileSystemTier
 from tiers.fs.files import RootDir
 from tiers.fs.journal_file import write_snapshot
 from tiers.fs.layout import read_header
+from tiers.fs.records import stored_tag, tag_mac
 
 from .fs_support import (
     BLOCK,
@@ -51,6 +52,10 @@ def auth(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return {"auth_key_env": KEY_ENV}
 
 
+#: Forged tags of either MAC: the record type names it; neither helps a forger.
+MACS = ("blake3", "hmac-sha256")
+
+
 def _forge(
     root: Path,
     victims: dict[OffloadKey, tuple[int, bytes]],
@@ -69,7 +74,7 @@ def _forge(
                     bytes(k),
                     slot,
                     xxhash.xxh3_128_intdigest(payload),
-                    None if slot % 2 else os.urandom(16),
+                    None if slot % 2 else stored_tag(MACS[slot % 4 // 2], os.urandom(16)),
                 )
             )
         write_snapshot(directory, header, entries)
@@ -220,3 +225,57 @@ def test_tags_are_computed_and_checked_on_the_tier_thread_not_the_scheduler(
             assert rows[4 + i].tobytes() == data[i]
     assert len(threads) == 8  # four tags on store, four checks on load
     assert threading.main_thread() not in threads
+
+
+async def test_blocks_tagged_with_hmac_by_an_earlier_release_still_read(
+    tmp_path: Path, auth: dict[str, str]
+) -> None:
+    """Releases before keyed BLAKE3 wrote HMAC-SHA256 tags (record type 3, what
+    ``auth_mac: "hmac-sha256"`` writes today): a tier writing BLAKE3 reads them, writes its
+    own, and after a restart reads both, each checked with the MAC it was stored with."""
+    old, new = [key(i) for i in range(4)], [key(20 + i) for i in range(3)]
+    async with opened(tmp_path, **auth, auth_mac="hmac-sha256") as tier:
+        await write_keys(tier, old)
+    async with opened(tmp_path, **auth) as tier:
+        for k in old:
+            assert await read_key(tier, k) == block_data(k)
+        await write_keys(tier, new)
+        index = tier._state().index
+        macs = {k: tag_mac(index.get(k).tag)[0] for k in old + new}  # type: ignore[union-attr, arg-type]
+        assert macs == {**dict.fromkeys(old, "hmac-sha256"), **dict.fromkeys(new, "blake3")}
+    async with opened(tmp_path, **auth) as tier:
+        for k in old + new:
+            assert await read_key(tier, k) == block_data(k)
+        assert tier.stats.auth_failures == 0
+
+
+async def test_a_tag_checked_with_the_other_mac_fails(tmp_path: Path, auth: dict[str, str]) -> None:
+    """The record type binds a tag to its MAC: relabelling HMAC tags as BLAKE3 ones (or the
+    reverse) makes every block a miss."""
+    keys = [key(i) for i in range(2)]
+    async with opened(tmp_path, **auth) as tier:
+        await write_keys(tier, keys)
+        index = tier._state().index
+        relabelled = {}
+        for k in keys:
+            entry = index.get(k)
+            assert entry is not None and entry.tag is not None
+            relabelled[k] = (entry.slot, entry.checksum, stored_tag("hmac-sha256", entry.tag[1:]))
+    directory = RootDir.open(tmp_path)
+    try:
+        header = read_header(directory)
+        assert header is not None
+        write_snapshot(directory, header, [(bytes(k), *v) for k, v in relabelled.items()])
+    finally:
+        directory.close()
+    async with opened(tmp_path, **auth) as tier:
+        for k in keys:
+            with pytest.raises(CorruptBlock, match=r"tag mismatch \(hmac-sha256\)"):
+                await read_key(tier, k)
+
+
+def test_auth_mac_is_checked(tmp_path: Path, auth: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="auth_mac must be one of 'blake3', 'hmac-sha256'"):
+        FileSystemTier(root_dir=tmp_path, auth_mac="md5", **auth)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="auth_mac needs a key"):
+        FileSystemTier(root_dir=tmp_path, auth_mac="blake3")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tiers.fs.layout import ALIGNMENT, Geometry, Header, parse_slab_name, slab_name
 from tiers.fs.records import (
     HEADER_BYTES,
+    PUT_MAC_TYPE,
     SYNC_MARKER,
     decode_header,
     encode_del,
@@ -20,6 +21,8 @@ from tiers.fs.records import (
     encode_put_tagged,
     iter_records,
     replay,
+    stored_tag,
+    tag_mac,
 )
 
 SEED = 0x1234_5678_9ABC_DEF0
@@ -119,13 +122,28 @@ def test_garbage_between_records_is_skipped(batches: list[Batch], data: st.DataO
     assert result.entries == model(batches)
 
 
-def test_tagged_put_records_round_trip() -> None:
-    tag = bytes(range(16))
+@pytest.mark.parametrize("mac", ["blake3", "hmac-sha256"])
+def test_tagged_put_records_round_trip_with_the_mac_they_were_tagged_by(mac: str) -> None:
+    tag = stored_tag(mac, bytes(range(16)))
     blob = encode_put_tagged([(b"k1", 3, 2**100 + 7, tag)], SEED) + encode_del([b"k2"], SEED)
     result = replay(blob, SEED)
     assert result.entries == {b"k1": (3, 2**100 + 7, tag)}
+    assert tag_mac(result.entries[b"k1"][2] or b"") == (mac, bytes(range(16)))
     with pytest.raises(ValueError, match="tag"):
         encode_put_tagged([(b"k", 0, 0, b"short")], SEED)
+    with pytest.raises(ValueError, match="one MAC"):
+        other = stored_tag("blake3" if mac != "blake3" else "hmac-sha256", bytes(16))
+        encode_put_tagged([(b"a", 0, 0, tag), (b"b", 1, 0, other)], SEED)
+
+
+def test_a_journal_written_with_hmac_tags_reads_back_with_them() -> None:
+    """Records of type 3 (what releases before keyed BLAKE3 wrote) are HMAC-SHA256 tags."""
+    from tiers.fs.records import _PUT_MAC_ENTRY, _frame
+
+    body = bytes((PUT_MAC_TYPE,)) + (1).to_bytes(4, "little")
+    body += _PUT_MAC_ENTRY.pack(5, 9, 0, bytes(range(16)), 2) + b"kk"
+    result = replay(_frame(body, SEED), SEED)
+    assert tag_mac(result.entries[b"kk"][2] or b"") == ("hmac-sha256", bytes(range(16)))
 
 
 def test_records_of_another_cache_never_validate() -> None:

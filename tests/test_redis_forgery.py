@@ -10,6 +10,7 @@ with an auth key the tier itself rejects anything not tagged with the key.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
 import os
 import struct
@@ -191,7 +192,7 @@ async def test_authenticated_tiers_with_one_key_share_blocks(
         with redis_server.client() as raw:
             value = raw.get(a._require_layout().redis_key(keys[0]))
         assert value is not None and len(value) == AUTH_HEADER_LEN + TIER_BLOCK_BYTES
-        assert value[4] == 2 and value[AUTH_HEADER_LEN:] == blocks[0]
+        assert value[4] == 3 and value[AUTH_HEADER_LEN:] == blocks[0]  # keyed BLAKE3
 
 
 async def test_keys_and_unauthenticated_tiers_do_not_see_each_others_blocks(
@@ -411,19 +412,35 @@ def test_rejections_are_logged_once_per_reason_per_interval(
     assert "4 more since the last such line" in caplog.records[-1].getMessage()
 
 
-def test_header_layout_of_authenticated_values() -> None:
-    authenticator = BlockAuthenticator(SECRET.encode(), "test")
+@pytest.mark.parametrize(
+    ("mac", "version", "flags"), [("blake3", 3, 0x03), ("hmac-sha256", 2, 0x01)]
+)
+def test_header_layout_of_authenticated_values(mac: str, version: int, flags: int) -> None:
+    """Keyed BLAKE3 (the default) is format 3; HMAC-SHA256 is format 2, byte for byte what
+    earlier releases wrote under the same key names, so engines of both share blocks."""
+    authenticator = BlockAuthenticator(SECRET.encode(), "test", mac)
     layout = BlockLayout("ns", FINGERPRINT, BLOCK_BYTES, authenticator)
     key = make_offload_key(b"k" * 16, 0)
     payload = os.urandom(BLOCK_BYTES)
     value = layout.encode(key, memoryview(payload))
-    magic, version, flags, header_len = struct.unpack_from("<4sBBH", value)
-    assert (magic, version, flags, header_len) == (b"KVTB", 2, 1, AUTH_HEADER_LEN)
+    fields = struct.unpack_from("<4sBBH", value)
+    assert fields == (b"KVTB", version, flags, AUTH_HEADER_LEN)
+    identity = b"%s\0%d" % (FINGERPRINT.encode(), BLOCK_BYTES)
     assert value[AUTH_HEADER_LEN - 16 : AUTH_HEADER_LEN] == authenticator.tag(
-        key, b"%s\0%d" % (FINGERPRINT.encode(), BLOCK_BYTES), payload
+        key, identity, payload
     )
-    assert layout.redis_key(key).startswith(b"ns:v2:")
+    assert layout.redis_key(key).startswith(b"ns:v%d:" % version)
     assert SECRET.encode() not in layout.redis_key(key)
+    if mac == "hmac-sha256":  # the earlier release's construction, spelled out
+        prefix = struct.pack("<HI", len(key), len(identity))
+        mac_ = hmac.new(SECRET.encode(), prefix + key + identity + payload, "sha256")
+        assert value[AUTH_HEADER_LEN - 16 : AUTH_HEADER_LEN] == mac_.digest()[:16]
+        key_id = hmac.new(
+            SECRET.encode(), struct.pack("<HI", 0, 23) + b"kv-tiering redis key id", "sha256"
+        )
+        assert layout.redis_key(key).startswith(
+            b"ns:v2:%016x:%s:" % (layout.fingerprint, key_id.hexdigest()[:8].encode())
+        )
 
 
 async def test_a_value_that_cannot_be_deleted_is_still_a_miss_and_logged_once(

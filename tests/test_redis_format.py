@@ -352,11 +352,19 @@ def test_keyed_and_plain_layouts_read_only_their_own_format() -> None:
     keyed_value = auth_layout().encode(KEY, memoryview(payload()))
     with pytest.raises(RejectedValue, match="format version 1"):
         auth_layout().decode_into(KEY, plain_value, memoryview(bytearray(BLOCK)))
-    with pytest.raises(RejectedValue, match="format version 2"):
+    with pytest.raises(RejectedValue, match="format version 3"):
         layout().decode_into(KEY, keyed_value, memoryview(bytearray(BLOCK)))
+    hmac_layout = auth_layout(authenticator=BlockAuthenticator(b"s" * 32, "hmac", "hmac-sha256"))
+    with pytest.raises(RejectedValue, match="format version 3"):  # and the other way round
+        hmac_layout.decode_into(KEY, keyed_value, memoryview(bytearray(BLOCK)))
     other_key = auth_layout(authenticator=BlockAuthenticator(b"k" * 32, "other"))
-    names = {layout().redis_key(KEY), auth_layout().redis_key(KEY), other_key.redis_key(KEY)}
-    assert len(names) == 3, "plain, keyed and other-key blocks live under different names"
+    names = {
+        layout().redis_key(KEY),
+        auth_layout().redis_key(KEY),
+        other_key.redis_key(KEY),
+        hmac_layout.redis_key(KEY),
+    }
+    assert len(names) == 4, "plain, keyed, other-key and other-MAC blocks live apart"
 
 
 def test_auth_settings_are_checked_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:

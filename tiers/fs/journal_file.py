@@ -80,7 +80,7 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-#: One snapshot entry: ``(key, slot, checksum, tag)`` (tag None without a MAC key).
+#: One snapshot entry: ``(key, slot, checksum, stored tag)`` (tag None without a MAC key).
 SnapshotEntry = tuple[bytes, int, int, bytes | None]
 
 
@@ -91,22 +91,23 @@ def encode_snapshot(header: Header, entries: list[SnapshotEntry]) -> bytes:
     chunk = SNAPSHOT_RECORD_ENTRIES
     start = 0
     while start < len(entries):
-        # Runs of tagged or untagged entries (a key may have been added or removed since).
-        tagged = entries[start][3] is not None
+        # Runs of untagged entries, or of tags by one MAC (a key may have been added or
+        # removed since, or the MAC changed).
+        kind = _tag_kind(entries[start][3])
         stop = start + 1
-        while (
-            stop < len(entries)
-            and stop - start < chunk
-            and (entries[stop][3] is not None) == tagged
-        ):
+        while stop < len(entries) and stop - start < chunk and _tag_kind(entries[stop][3]) == kind:
             stop += 1
         run = entries[start:stop]
-        if tagged:
+        if kind is not None:
             parts.append(encode_put_tagged([(k, s, c, t) for k, s, c, t in run if t], seed))
         else:
             parts.append(encode_put([(k, s, c) for k, s, c, _ in run], seed))
         start = stop
     return b"".join(parts)
+
+
+def _tag_kind(tag: bytes | None) -> int | None:
+    return None if tag is None else tag[0]
 
 
 def write_snapshot(root: RootDir, header: Header, entries: list[SnapshotEntry]) -> int:

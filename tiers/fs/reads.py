@@ -21,7 +21,7 @@ from tiering.core.keys import OffloadKey
 from tiers.fs.index import Entry
 from tiers.fs.io import IoOp, OpKind
 from tiers.fs.planning import block_views, plan_ops
-from tiers.fs.records import encode_del
+from tiers.fs.records import encode_del, tag_mac
 from tiers.fs.state import Block, OpenState, checksum, notify_room
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,7 @@ def _authentication_error(
     assert auth is not None
     if entry.tag is None:
         return _AuthenticationFailed(key, "stored without an authentication tag")
-    if not auth.verify(key, state.fingerprint, data, entry.tag):
-        return _AuthenticationFailed(key, "authentication tag mismatch")
+    mac, tag = tag_mac(entry.tag)
+    if not auth.verify(key, state.fingerprint, data, tag, mac):
+        return _AuthenticationFailed(key, f"authentication tag mismatch ({mac})")
     return None

@@ -8,14 +8,17 @@ File layout::
                        | xxh3_64(sync + body_len + body, seed) u64
     PUT body:          0x01 | count u32 | count x (slot u64 | checksum 16B | key_len u16 | key)
                        (the checksum as two u64: low half first)
-    PUT+MAC body:      0x03 | count u32 | count x (slot u64 | checksum 16B | tag 16B
-                                                   | key_len u16 | key)
+    PUT+MAC body:      0x03 (HMAC-SHA256 tags) or 0x04 (keyed BLAKE3 tags)
+                       | count u32 | count x (slot u64 | checksum 16B | tag 16B
+                                              | key_len u16 | key)
     DEL body:          0x02 | count u32 | count x (key_len u16 | key)
 
 A record carries a whole batch (one write job's blocks, one eviction), so it
 is applied all or nothing. All integers are little endian; the block
 checksum is the xxh3_128 of the block's bytes; the tag (tiers with an
-``auth_key_*``) is the keyed MAC of :mod:`tiering.tier.auth`. The record checksum
+``auth_key_*``) is the keyed MAC of :mod:`tiering.tier.auth`, the record type
+naming which MAC (both are read; a tier writes its ``auth_mac``). In memory a
+tag is :data:`STORED_TAG_BYTES` long: the MAC's id byte, then the 16-byte tag. The record checksum
 is seeded with the cache id, so a record from another cache (or a stale one
 from a previous generation of this file) never validates.
 
@@ -48,8 +51,14 @@ _FRAME = struct.Struct("<4sI")  # sync marker, body length
 _KEY_LEN = struct.Struct("<H")
 PUT_TYPE = 1
 DEL_TYPE = 2
-PUT_MAC_TYPE = 3
+PUT_MAC_TYPE = 3  # HMAC-SHA256 tags
+PUT_BLAKE3_TYPE = 4  # keyed BLAKE3 tags
 TAG_BYTES = 16
+#: A tag as the index keeps it: the MAC's id (the record type), then the tag.
+STORED_TAG_BYTES = 1 + TAG_BYTES
+#: Record type by ``auth_mac`` name, and back.
+MAC_RECORD_TYPES = {"hmac-sha256": PUT_MAC_TYPE, "blake3": PUT_BLAKE3_TYPE}
+MAC_OF_RECORD_TYPE = {kind: mac for mac, kind in MAC_RECORD_TYPES.items()}
 #: Keys longer than this are refused (a prefix hash plus a group index is ~36 bytes).
 MAX_KEY_BYTES = 4096
 #: A sanity bound on one record (a garbage length field must not look plausible).
@@ -93,19 +102,34 @@ def encode_put(entries: Iterable[tuple[bytes, int, int]], seed: int) -> bytes:
     return _frame(b"".join(parts), seed)
 
 
+def stored_tag(mac: str, tag: bytes) -> bytes:
+    """``tag`` (by ``mac``, an ``auth_mac`` name) as the index keeps it."""
+    return bytes((MAC_RECORD_TYPES[mac],)) + tag
+
+
+def tag_mac(stored: bytes) -> tuple[str, bytes]:
+    """The MAC name and the 16-byte tag of a stored tag."""
+    return MAC_OF_RECORD_TYPE[stored[0]], stored[1:]
+
+
 def encode_put_tagged(entries: Iterable[tuple[bytes, int, int, bytes]], seed: int) -> bytes:
-    """One PUT record for ``(key, slot, checksum, tag)`` entries (a tier with a MAC key)."""
+    """One PUT record for ``(key, slot, checksum, stored tag)`` entries (a tier with a MAC
+    key); every tag of one record by the same MAC."""
     pack = _PUT_MAC_ENTRY.pack
     low = (1 << 64) - 1
     parts = [b""]
+    kind = None
     for key, slot, checksum, tag in entries:
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
-        if len(tag) != TAG_BYTES:
-            raise ValueError(f"a tag must be {TAG_BYTES} bytes, got {len(tag)}")
-        parts.append(pack(slot, checksum & low, checksum >> 64, tag, len(key)))
+        if len(tag) != STORED_TAG_BYTES or tag[0] not in MAC_OF_RECORD_TYPE:
+            raise ValueError(f"a stored tag is a MAC id and {TAG_BYTES} bytes, got {tag!r}")
+        if kind is not None and tag[0] != kind:
+            raise ValueError("one PUT record holds tags of one MAC")
+        kind = tag[0]
+        parts.append(pack(slot, checksum & low, checksum >> 64, tag[1:], len(key)))
         parts.append(key)
-    parts[0] = _KIND_COUNT.pack(PUT_MAC_TYPE, (len(parts) - 1) // 2)
+    parts[0] = _KIND_COUNT.pack(kind or PUT_BLAKE3_TYPE, (len(parts) - 1) // 2)
     return _frame(b"".join(parts), seed)
 
 
@@ -193,12 +217,13 @@ def _decode_body(body: memoryview) -> list[Record] | None:
     pos = _KIND_COUNT.size
     out: list[Record] = []
     try:
-        if kind == PUT_MAC_TYPE:
+        if kind in MAC_OF_RECORD_TYPE:
+            mac_id = bytes((kind,))
             for _ in range(count):
                 slot, low, high, tag, key_len = _PUT_MAC_ENTRY.unpack_from(body, pos)
                 pos += _PUT_MAC_ENTRY.size
                 key = bytes(body[pos : pos + key_len])
-                out.append(Record(key, slot, low | high << 64, tag))
+                out.append(Record(key, slot, low | high << 64, mac_id + tag))
                 pos += key_len
         elif kind == PUT_TYPE:
             for _ in range(count):

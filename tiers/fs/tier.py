@@ -74,6 +74,7 @@ class FileSystemTier(AsyncTier):
         create_root_dir: bool = True,
         auth_key_file: str | None = None,
         auth_key_env: str | None = None,
+        auth_mac: str | None = None,
     ) -> None:
         # This signature is the one list of the tier's keys and defaults (the registry
         # reads it to reject unknown keys); FsTierConfig checks the values.

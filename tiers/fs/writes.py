@@ -26,7 +26,7 @@ from tiers.fs.files import UnsafeFileError
 from tiers.fs.io import OpKind
 from tiers.fs.journal import JournalWriter
 from tiers.fs.planning import block_views, plan_ops
-from tiers.fs.records import encode_del, encode_put, encode_put_tagged
+from tiers.fs.records import encode_del, encode_put, encode_put_tagged, stored_tag
 from tiers.fs.state import Block, OpenState, checksum, notify_room, wait_for_room
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ async def _seal_blocks(
     for block in blocks:
         block.checksum = checksum(block.view)
         if auth is not None:
-            block.tag = auth.tag(block.key, fingerprint, block.view)
+            block.tag = stored_tag(auth.mac, auth.tag(block.key, fingerprint, block.view))
         evict_block(block.view)  # read for good: out of the caches the scheduler shares
         budget -= block.view.nbytes
         if budget <= 0:

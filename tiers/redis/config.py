@@ -88,6 +88,7 @@ class RedisTierConfig:
     max_pipeline_bytes: int = 64 << 20
     auth_key_file: str | None = None
     auth_key_env: str | None = None
+    auth_mac: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -171,7 +172,11 @@ class RedisTierConfig:
         None without either. Raises :class:`ConfigError` naming the option, never the key.
         """
         return authenticator_from_options(
-            {"auth_key_file": self.auth_key_file, "auth_key_env": self.auth_key_env},
+            {
+                "auth_key_file": self.auth_key_file,
+                "auth_key_env": self.auth_key_env,
+                "auth_mac": self.auth_mac,
+            },
             "redis tier: ",
         )
 

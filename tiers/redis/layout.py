@@ -3,7 +3,8 @@
 One Redis string per block::
 
     <namespace>:v1:<layout hash, 16 hex>:{<offload key, hex>}              no auth key
-    <namespace>:v2:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   with an auth key
+    <namespace>:v2:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac hmac-sha256
+    <namespace>:v3:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac blake3
 
 holding a header followed by the block's bytes. Format 1 (no auth key), 40
 bytes, little endian::
@@ -17,17 +18,22 @@ bytes, little endian::
     payload_len  u64 number of block bytes that follow
     checksum     u64 xxh3_64 of those bytes
 
-Format 2 (authenticated, 48 bytes) has the same first seven fields (version 2,
-flags ``FLAG_AUTHENTICATED``, header_len 48) and then::
+Formats 2 and 3 (authenticated, 48 bytes) have the same first seven fields
+(version 2 or 3, flags ``FLAG_AUTHENTICATED``, plus ``FLAG_BLAKE3`` for 3,
+header_len 48) and then::
 
-    tag          16s HMAC-SHA256(auth key, offload key, layout fingerprint, payload)[:16]
+    tag          16s the MAC of (offload key, layout fingerprint, payload) by the auth key:
+                     HMAC-SHA256 (format 2, what earlier releases wrote) or keyed BLAKE3
+                     (format 3, the default), truncated to 16 bytes
 
 The tag replaces the checksum: it covers the payload's integrity as well as
 who wrote it (see :mod:`tiering.tier.auth`). The key id is a public digest of the
 auth key (the first 4 bytes of its tag over nothing): engines with different
 keys, or a key rotated, use different key names and never fight over (or
-delete as forged) each other's blocks. A tier with an auth key reads format 2
-only; without one, format 1 only.
+delete as forged) each other's blocks. A tier reads the format its settings
+write: format 1 without an auth key, 2 with ``auth_mac: "hmac-sha256"`` (so an
+engine of this release and one of an earlier release share their blocks), 3
+with keyed BLAKE3.
 
 The hash tag (``{...}``) covers only the block's identity, so Redis Cluster
 spreads blocks over every node (a tag over the namespace would put a whole
@@ -45,13 +51,15 @@ import xxhash
 
 from tiering.copy.bulk import address_of, copy_regions
 from tiering.core.keys import OffloadKey
-from tiering.tier.auth import TAG_BYTES, BlockAuthenticator
+from tiering.tier.auth import BLAKE3, TAG_BYTES, BlockAuthenticator
 from tiers.redis.errors import RejectedValue
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
-AUTH_FORMAT_VERSION = 2
+AUTH_FORMAT_VERSION = 2  # HMAC-SHA256 tags
+BLAKE3_FORMAT_VERSION = 3  # keyed BLAKE3 tags
 FLAG_AUTHENTICATED = 0x01
+FLAG_BLAKE3 = 0x02
 _HEADER = struct.Struct("<4sBBHQQQQ")
 _AUTH_HEADER = struct.Struct(f"<4sBBHQQQ{TAG_BYTES}s")
 #: The unauthenticated (format 1) header's length.
@@ -98,8 +106,9 @@ class BlockLayout:
 
     Bound to a namespace, a layout fingerprint, a block size and (optionally)
     an auth key, so every check is against what this tier instance itself
-    would have written. With an authenticator, values are format 2 and tags
-    are computed here, on the caller's (the tier's loop) thread.
+    would have written. With an authenticator, values are format 2 (HMAC-SHA256)
+    or 3 (keyed BLAKE3) by its ``mac``, and tags are computed here, on the
+    caller's (the tier's loop) thread.
     """
 
     def __init__(
@@ -115,7 +124,12 @@ class BlockLayout:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.block_bytes = block_bytes
         self.authenticator = authenticator
-        self.version = FORMAT_VERSION if authenticator is None else AUTH_FORMAT_VERSION
+        if authenticator is None:
+            self.version, self.flags = FORMAT_VERSION, 0
+        elif authenticator.mac == BLAKE3:
+            self.version, self.flags = BLAKE3_FORMAT_VERSION, FLAG_AUTHENTICATED | FLAG_BLAKE3
+        else:
+            self.version, self.flags = AUTH_FORMAT_VERSION, FLAG_AUTHENTICATED
         self.header_len = HEADER_LEN if authenticator is None else AUTH_HEADER_LEN
         self.value_len = self.header_len + block_bytes
         self.fingerprint = layout_hash(layout_fingerprint, block_bytes)
@@ -144,7 +158,7 @@ class BlockLayout:
     def header(self, key: OffloadKey, data: memoryview) -> bytes:
         """The header of ``data`` stored as ``key``'s block (hashes, or tags, the payload).
 
-        xxhash and OpenSSL's HMAC both release the GIL over a block payload.
+        xxhash, OpenSSL's HMAC and BLAKE3 all release the GIL over a block payload.
         """
         if data.nbytes != self.block_bytes:
             raise ValueError(f"block is {data.nbytes} bytes, this tier stores {self.block_bytes}")
@@ -161,8 +175,8 @@ class BlockLayout:
             )
         return _AUTH_HEADER.pack(
             MAGIC,
-            AUTH_FORMAT_VERSION,
-            FLAG_AUTHENTICATED,
+            self.version,
+            self.flags,
             AUTH_HEADER_LEN,
             self.fingerprint,
             xxhash.xxh3_64_intdigest(key),
@@ -211,8 +225,7 @@ class BlockLayout:
                 f"unsupported format version {version} (header {stored_header_len}); "
                 f"this tier reads version {self.version}",
             )
-        expected_flags = 0 if self.authenticator is None else FLAG_AUTHENTICATED
-        if flags != expected_flags:
+        if flags != self.flags:
             raise RejectedValue(key, "malformed", f"unexpected flags {flags:#x}")
         if fingerprint != self.fingerprint:
             raise RejectedValue(key, "foreign", "written under another layout fingerprint")
