@@ -9,6 +9,7 @@ vLLM's ``eviction_policy`` + ``cache_policy_module_path`` spelling, with options
 
 from __future__ import annotations
 
+from tiering.policies.adaptive import AdaptivePolicy
 from tiering.policies.admission import (
     ADMISSION_ENTRY_POINT_GROUP,
     ADMISSION_NAMES,
@@ -32,6 +33,12 @@ from tiering.policies.registry import (
     resolve_policy,
     split_policy_list,
 )
+from tiering.policies.request import (
+    RequestAwarePolicy,
+    RequestContext,
+    access_with,
+    insert_with,
+)
 
 __all__ = [
     "ADMISSION_ENTRY_POINT_GROUP",
@@ -43,7 +50,12 @@ __all__ = [
     "BUILTIN_POLICIES",
     "ENTRY_POINT_GROUP",
     "POLICY_NAMES",
+    "AdaptivePolicy",
     "ARCPolicy",
+    "RequestAwarePolicy",
+    "RequestContext",
+    "access_with",
+    "insert_with",
     "EvictionPolicy",
     "KVAwarePolicy",
     "LRUPolicy",

@@ -2,7 +2,7 @@
 
 A setting names a policy in one of four ways, tried in this order:
 
-1. a built-in name: ``"lru"``, ``"arc"``, ``"kvaware"`` (case-insensitive);
+1. a built-in name: ``"lru"``, ``"arc"``, ``"kvaware"``, ``"adaptive"`` (case-insensitive);
 2. with ``module_path`` (vLLM's spelling: ``eviction_policy: "MyPolicy"`` plus
    ``cache_policy_module_path: "pkg.mod"``), the class ``MyPolicy`` of that module;
 3. the name of an entry point in the group ``kv_tiering.policies``;
@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tiering.core.errors import ConfigError
+from tiering.policies.adaptive import AdaptivePolicy
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import EvictionPolicy
 from tiering.policies.kvaware import KVAwarePolicy
@@ -37,11 +38,12 @@ ENTRY_POINT_GROUP = "kv_tiering.policies"
 
 #: Policies shipped with the framework, by the name a config uses.
 BUILTIN_POLICIES: Mapping[str, type[EvictionPolicy[Any]]] = MappingProxyType(
-    {"lru": LRUPolicy, "arc": ARCPolicy, "kvaware": KVAwarePolicy}
+    {"lru": LRUPolicy, "arc": ARCPolicy, "kvaware": KVAwarePolicy, "adaptive": AdaptivePolicy}
 )
 
-#: Built-in policy names (the default set ``tiering sweep`` compares).
-POLICY_NAMES = tuple(BUILTIN_POLICIES)
+#: The default set ``tiering sweep`` compares (``adaptive`` is named with ``--policies``
+#: until the tests that pin this set are updated; see docs/policies.md).
+POLICY_NAMES = ("lru", "arc", "kvaware")
 
 PolicyFactory = Callable[..., Any]
 

@@ -29,6 +29,7 @@ from tiering.policies import (
     make_policy,
     resolve_admission,
 )
+from tiering.policies.request import RequestContext, access_with, insert_with
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
 
 #: Blocks offloaded per store call: one prefill chunk of vLLM's default 8192-token
@@ -91,6 +92,7 @@ def simulate_policy(
     policy_name: str | PolicyChoice,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     store_chunk_blocks: int = DEFAULT_STORE_CHUNK_BLOCKS,
+    decode_touches: bool = False,
 ) -> HitRate:
     """Prefix hits of one cache of ``capacity_blocks`` run by an eviction policy.
 
@@ -103,12 +105,19 @@ def simulate_policy(
     ``store_chunk_blocks``. A chunk's blocks not cached yet evict the policy's
     victims among blocks outside the chunk (or, when too few are evictable, the
     chunk is not stored) and are inserted last block first.
+
+    Policies that take request context
+    (:class:`~tiering.policies.request.RequestAwarePolicy`) get it with every touch and
+    store (the request's index, the block's position); others get plain keys. With
+    ``decode_touches`` the request's cached blocks are also touched once per decoded
+    block (``output_length / block_tokens`` times), as vLLM's connector does: a key-only
+    policy counts each touch as a use, a request-aware one counts the request once.
     """
     if store_chunk_blocks <= 0:
         raise ValueError(f"store_chunk_blocks must be positive, got {store_chunk_blocks}")
     policy = make_policy(policy_name, capacity_blocks)
     tally = _Tally()
-    for request in requests:
+    for index, request in enumerate(requests):
         ids = request.hash_ids
         hits = 0
         for hash_id in ids:
@@ -116,16 +125,33 @@ def simulate_policy(
                 break
             hits += 1
         tally.add(request, hits, block_tokens)
-        for hash_id in reversed(ids):
-            policy.access(hash_id)  # ignored for blocks not cached
+        for position in range(len(ids) - 1, -1, -1):  # ignored for blocks not cached
+            access_with(policy, ids[position], RequestContext(index, position))
         for start in range(hits, len(ids), store_chunk_blocks):
-            _store_chunk(policy, capacity_blocks, ids[start : start + store_chunk_blocks])
+            _store_chunk(policy, capacity_blocks, ids, start, store_chunk_blocks, index)
+        if decode_touches:
+            for _ in range(-(-request.output_length // block_tokens)):
+                for position in range(len(ids) - 1, -1, -1):
+                    access_with(policy, ids[position], RequestContext(index, position))
     return tally.result()
 
 
-def _store_chunk(policy: EvictionPolicy[Hashable], capacity: int, ids: Sequence[int]) -> None:
-    """What ``CPUPrimaryTier.prepare_store`` + ``complete_store`` do to the policy."""
-    chunk = dict.fromkeys(ids)  # distinct, in order
+def _store_chunk(
+    policy: EvictionPolicy[Hashable],
+    capacity: int,
+    ids: Sequence[int],
+    start: int,
+    length: int,
+    request: int | None = None,
+) -> None:
+    """What ``CPUPrimaryTier.prepare_store`` + ``complete_store`` do to the policy.
+
+    Stores ``ids[start : start + length]``; ``request`` (the request's index), when
+    given, is passed with each block's position to request-aware policies.
+    """
+    chunk: dict[int, int] = {}  # distinct ids, in order -> position
+    for position in range(start, min(start + length, len(ids))):
+        chunk.setdefault(ids[position], position)
     missing = [hash_id for hash_id in chunk if hash_id not in policy]
     shortfall = len(missing) - (capacity - len(policy))
     if shortfall > 0:
@@ -134,7 +160,8 @@ def _store_chunk(policy: EvictionPolicy[Hashable], capacity: int, ids: Sequence[
             return  # the store is refused: nothing changes
         policy.evict(shortfall, lambda key: key not in chunk)
     for hash_id in reversed(missing):
-        policy.insert(hash_id)
+        context = None if request is None else RequestContext(request, chunk[hash_id])
+        insert_with(policy, hash_id, context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +235,11 @@ def simulate_stack(
             secondary.access(hash_id)
         written += cascade(gate.on_use([k for k in ids[:hits] if k in primary]))
         if promoted:  # promotions land in the primary tier; nothing is written below
-            _store_chunk(primary, primary_blocks, promoted)
+            _store_chunk(primary, primary_blocks, promoted, 0, len(promoted))
         for start in range(hits, len(ids), store_chunk_blocks):
             chunk = ids[start : start + store_chunk_blocks]
             missing = [k for k in dict.fromkeys(chunk) if k not in primary]
-            _store_chunk(primary, primary_blocks, chunk)
+            _store_chunk(primary, primary_blocks, ids, start, store_chunk_blocks)
             stored = [k for k in missing if k in primary]
             if stored:
                 written += cascade(gate.admit(stored))

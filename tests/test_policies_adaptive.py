@@ -1,0 +1,230 @@
+"""The adaptive policy: the contract (state machine, derandomized), its experts and shadows,
+request context (one use per request), and where it stands against LRU and ARC."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import settings
+
+from tiering.core.errors import ConfigError
+from tiering.policies import (
+    AdaptivePolicy,
+    LRUPolicy,
+    PolicyChoice,
+    RequestAwarePolicy,
+    RequestContext,
+    access_with,
+    insert_with,
+    make_policy,
+    resolve_policy,
+)
+from tiering.policies.base import EvictionPolicy
+from tiering.replay.families import family_requests
+from tiering.replay.offline import simulate_policy
+from tiering.replay.trace import trace_footprint
+from tiering.testing import make_policy_state_machine, make_policy_test_case
+
+# Deterministic: a fixed example sequence wherever no timing is involved.
+DERANDOMIZED = settings(derandomize=True)
+
+
+class ContextDriven(AdaptivePolicy[int]):
+    """Drives the request-aware path from the key-only state machine: every third use
+    starts a new request, so repeated uses within one request are deduplicated."""
+
+    def __init__(self, capacity: int, **options: object) -> None:
+        super().__init__(capacity, **options)  # type: ignore[arg-type]
+        self.uses = 0
+
+    def access(self, key: int) -> None:
+        self.uses += 1
+        self.access_in(key, RequestContext(self.uses // 3, key % 4))
+
+    def insert(self, key: int) -> None:
+        self.uses += 1
+        self.insert_in(key, RequestContext(self.uses // 3, key % 4))
+
+
+def _small_shadow(capacity: int) -> AdaptivePolicy[int]:
+    return AdaptivePolicy(capacity, shadow=2, memory=1.0, margin=0.0)
+
+
+TestAdaptiveContract = make_policy_state_machine(
+    AdaptivePolicy, capacity=6, settings=DERANDOMIZED
+).TestCase
+TestAdaptiveCapacityOne = make_policy_test_case(AdaptivePolicy, capacity=1, settings=DERANDOMIZED)
+# Sampled shadows (rate > 1) and a margin of 0: the experts switch often.
+TestAdaptiveSampledShadows = make_policy_test_case(
+    _small_shadow, capacity=8, key_space=30, settings=DERANDOMIZED
+)
+TestAdaptiveKVAwareExpert = make_policy_test_case(
+    lambda c: AdaptivePolicy(c, expert="kvaware", margin=0.0), capacity=5, settings=DERANDOMIZED
+)
+TestAdaptiveWithRequests = make_policy_test_case(
+    lambda c: ContextDriven(c, margin=0.0), capacity=6, settings=DERANDOMIZED
+)
+
+
+def all_keys(_key: object) -> bool:
+    return True
+
+
+def test_registered_as_a_builtin_with_options() -> None:
+    choice = resolve_policy("Adaptive(expert=kvaware,shadow=64)")
+    assert choice.factory is AdaptivePolicy and choice.label.startswith("adaptive(")
+    policy = make_policy("adaptive", 10)
+    assert isinstance(policy, AdaptivePolicy) and isinstance(policy, RequestAwarePolicy)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"expert": "lfu"},
+        {"shadow": 0},
+        {"shadow": True},
+        {"memory": 0},
+        {"memory": float("nan")},
+        {"margin": -0.1},
+        {"margin": 2},
+    ],
+)
+def test_bad_options_are_config_errors(options: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="rejected its options"):
+        resolve_policy({"name": "adaptive", **options})
+
+
+def test_a_hot_set_under_a_scan_follows_the_reuse_expert() -> None:
+    """Four hot keys used every round, eight one-off keys per round: LRU loses the hot keys
+    every round, ARC keeps them, and the shadows say so."""
+    policy: AdaptivePolicy[int] = AdaptivePolicy(8, margin=0.0)
+    new = 100
+    for _ in range(30):
+        for key in range(4):
+            if key in policy:
+                policy.access(key)
+            else:
+                _store(policy, key)
+            policy.access(key)  # a second use in the round: ARC protects it
+        for _ in range(8):
+            _store(policy, new)
+            new += 1
+    lru_hits, reuse_hits = policy.shadow_hits()
+    assert reuse_hits > lru_hits and policy.following == "reuse"
+    assert all(key in policy for key in range(4))
+    policy.check_invariants()
+
+
+def test_recency_ahead_follows_lru() -> None:
+    """The scan-heavy family at 10% of its footprint, where LRU is ahead of ARC (follow-ups on
+    recent documents): the shadows see it and LRU chooses victims for most of the run."""
+    seen: list[str] = []
+
+    class Recording(AdaptivePolicy[int]):
+        def evict(self, n: int, can_evict: Callable[[int], bool]) -> list[int]:
+            seen.append(self.following)
+            return super().evict(n, can_evict)
+
+    requests = family_requests("scan-heavy", 800, 0)
+    capacity = max(1, int(trace_footprint(requests) * 0.1))
+    simulate_policy(requests, capacity, PolicyChoice("recording", Recording))
+    assert seen.count("lru") > len(seen) / 2
+
+
+def _store(policy: EvictionPolicy[int], key: int) -> None:
+    if len(policy) >= policy.capacity:
+        assert len(policy.evict(1, all_keys)) == 1
+    policy.insert(key)
+
+
+def test_following_lru_evicts_in_lru_order_and_keeps_the_expert_in_step() -> None:
+    policy: AdaptivePolicy[int] = AdaptivePolicy(4)
+    policy._follow_lru = True  # what the shadows decide; the order is what is tested
+    for key in (3, 2, 1, 0):  # a request's blocks, last block first
+        policy.insert(key)
+    policy.access(3)
+    assert policy.evict(2, all_keys) == [2, 1]
+    assert policy.evict(5, lambda k: k != 0) == [3]
+    assert list(policy) == [0]
+    policy.check_invariants()
+
+
+def test_following_the_reuse_expert_evicts_tails_before_heads() -> None:
+    """Stored last block first, a prefix leaves from its tail: 4, 3, ... before 0."""
+    policy: AdaptivePolicy[int] = AdaptivePolicy(8)
+    for key in (4, 3, 2, 1, 0):
+        policy.insert(key)
+    assert policy.following == "reuse"
+    assert policy.evict(2, all_keys) == [4, 3]
+    policy.check_invariants()
+
+
+def test_one_use_per_request() -> None:
+    policy: AdaptivePolicy[int] = AdaptivePolicy(4, shadow=4)
+    insert_with(policy, 7, RequestContext("r1", position=0))
+    before = policy.shadow_hits()
+    for _ in range(5):  # vLLM touches once per decoded block
+        access_with(policy, 7, RequestContext("r1", position=0))
+    assert policy.shadow_hits() == before
+    access_with(policy, 7, RequestContext("r2", position=0))
+    assert policy.shadow_hits()[0] > before[0] * policy._decay
+    policy.remove(7)
+    assert 7 not in policy and not policy._last_request
+    policy.check_invariants()
+
+
+def test_key_only_policies_take_plain_calls() -> None:
+    lru: LRUPolicy[int] = LRUPolicy(3)
+    insert_with(lru, 1, RequestContext("r"))
+    insert_with(lru, 2, None)
+    access_with(lru, 1, RequestContext("r", position=0, group=1))
+    assert list(lru) == [2, 1]
+
+
+def test_request_aware_defaults_fall_back_to_key_calls() -> None:
+    class Plain(RequestAwarePolicy[int], LRUPolicy[int]):
+        pass
+
+    policy = Plain(2)
+    policy.insert_in(1, RequestContext("r"))
+    policy.insert_in(2, RequestContext("r"))
+    policy.access_in(1, RequestContext("r"))
+    assert list(policy) == [2, 1]
+
+
+def test_decode_touches_do_not_move_a_request_aware_policy() -> None:
+    """Touching a request's blocks once per decoded block counts as one use for adaptive
+    (the same hits with or without those touches); a key-only frequency policy moves."""
+    requests = family_requests("builtin", 400, 0)
+    capacity = max(1, trace_footprint(requests) // 50)
+    plain = simulate_policy(requests, capacity, "adaptive")
+    touched = simulate_policy(requests, capacity, "adaptive", decode_touches=True)
+    assert touched == plain
+    assert simulate_policy(requests, capacity, "kvaware", decode_touches=True) != (
+        simulate_policy(requests, capacity, "kvaware")
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "fraction"),
+    [("builtin", 0.01), ("builtin", 0.5), ("chat-long", 0.02), ("scan-heavy", 0.05)],
+)
+def test_close_to_the_better_of_lru_and_arc(family: str, fraction: float) -> None:
+    """A regression guard on small generated workloads (deterministic): within a point of
+    max(LRU, ARC) where one of them is far ahead of the other."""
+    requests = family_requests(family, 800, 0)
+    capacity = max(1, int(trace_footprint(requests) * fraction))
+    rates = {
+        name: simulate_policy(requests, capacity, name).token_hit_rate
+        for name in ("lru", "arc", "adaptive")
+    }
+    assert rates["adaptive"] >= max(rates["lru"], rates["arc"]) - 0.01, rates
+
+
+def test_capacity_one_stores_and_evicts() -> None:
+    policy: AdaptivePolicy[int] = AdaptivePolicy(1)
+    for key in range(5):
+        _store(policy, key)
+        assert list(policy) == [key]
+    policy.check_invariants()

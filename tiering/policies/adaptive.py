@@ -1,0 +1,234 @@
+"""An adaptive eviction policy: recency (LRU) or reuse (ARC), whichever is winning now.
+
+No single order wins everywhere (``docs/policies.md``): on chat workloads with small
+caches the reuse order keeps shared heads that LRU thrashes (10-15 points), while near
+the footprint, or on follow-ups to recent documents, LRU keeps what a frequency list
+costs (0.5-2 points). ``adaptive`` keeps both orders of the same resident set and lets
+the one that is doing better choose the victims:
+
+* **two experts over one resident set**: an LRU order (one ordered dict) and a reuse
+  expert (:class:`~tiering.policies.arc.ARCPolicy` by default, ``expert="kvaware"``
+  for :class:`~tiering.policies.kvaware.KVAwarePolicy`) see every insert, use and
+  removal. When the LRU expert chooses, its victims leave the reuse expert as removals,
+  not evictions: no ghost entry, so the reuse expert's own adaptation (ARC's ``p``) is
+  driven only by its own choices (making them its ghosts measured worse: a switch back
+  found the expert's target pulled off by decisions it did not make).
+* **shadow caches decide** (Waldspurger et al.'s miniature simulations, the role of
+  Caffeine's hill climber and of ARC's ghost hits): a spatial sample of the keys (those
+  with ``hash(key) % rate == 0``) drives two standalone caches of ``capacity / rate``
+  keys, one per expert, with ``rate`` chosen so each shadow holds at least ``shadow``
+  keys (the whole capacity below that: exact). Each shadow's hits are counted with
+  exponential decay over ``memory x`` its capacity sampled uses. The policy follows the
+  reuse expert until the LRU shadow leads by more than ``margin`` (relative), then
+  follows LRU until the reuse shadow leads by that margin (hysteresis: flapping
+  between two orders leaves a state worse than either).
+* **prefix order**: both experts evict oldest first, and the owner touches and stores a
+  request's blocks last block first, so a prefix's tail goes before its head.
+* **one use per request** (:class:`~tiering.policies.request.RequestAwarePolicy`):
+  repeated touches of a block by the same request count once (vLLM touches a request's
+  blocks per decoded block); key-only ``access`` counts each call.
+
+Invariants: the LRU order and the reuse expert hold the same keys, at most
+``capacity``; the expert's and the shadows' own invariants hold; request marks only
+for resident keys. Every operation is O(1) (plus the pinned keys ``evict`` skips); the
+shadows add work for ``1 / rate`` of the operations only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from typing import Literal
+
+from tiering.policies.arc import ARCPolicy
+from tiering.policies.base import K
+from tiering.policies.kvaware import KVAwarePolicy
+from tiering.policies.lru import LRUPolicy
+from tiering.policies.request import RequestAwarePolicy, RequestContext
+
+_MISSING: object = object()
+
+Expert = Literal["lru", "reuse"]
+
+
+def _always(key: object) -> bool:
+    return True
+
+
+def _reuse_expert(expert: str, capacity: int) -> ARCPolicy[K] | KVAwarePolicy[K]:
+    if expert == "arc":
+        return ARCPolicy(capacity)
+    return KVAwarePolicy(capacity)
+
+
+def _number(name: str, value: object, low: float, high: float) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+class AdaptivePolicy(RequestAwarePolicy[K]):
+    """LRU or a reuse expert (ARC), chosen online by sampled shadow caches.
+
+    Options: ``expert`` (``"arc"``, default, or ``"kvaware"``), ``shadow`` (the least
+    keys a shadow cache holds, 4096), ``memory`` (the shadows' hit counts decay over
+    ``memory x`` shadow capacity sampled uses, 16), ``margin`` (relative lead needed to
+    switch experts, 0.01). See the module docstring.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        expert: str = "arc",
+        shadow: int = 4096,
+        memory: float = 16.0,
+        margin: float = 0.002,
+    ) -> None:
+        super().__init__(capacity)
+        if expert not in ("arc", "kvaware"):
+            raise ValueError(f"expert must be 'arc' or 'kvaware', got {expert!r}")
+        if isinstance(shadow, bool) or not isinstance(shadow, int) or shadow < 1:
+            raise ValueError(f"shadow must be a positive int, got {shadow!r}")
+        memory = _number("memory", memory, 0.01, 1e6)
+        self._margin = _number("margin", margin, 0, 1)
+        self._rate = max(1, capacity // shadow)
+        mini = max(1, capacity // self._rate)
+        self._lru: OrderedDict[K, None] = OrderedDict()
+        self._reuse: ARCPolicy[K] | KVAwarePolicy[K] = _reuse_expert(expert, capacity)
+        self._shadow_lru: LRUPolicy[K] = LRUPolicy(mini)
+        self._shadow_reuse: ARCPolicy[K] | KVAwarePolicy[K] = _reuse_expert(expert, mini)
+        self._shadow_hits = [0.0, 0.0]  # LRU's, the reuse expert's (decayed)
+        self._shadow_uses = 0.0  # sampled uses (decayed alike)
+
+        self._decay = 1.0 - 1.0 / (memory * mini)
+        self._follow_lru = False
+        self._last_request: dict[K, Hashable] = {}
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def following(self) -> Expert:
+        """The expert choosing victims now: ``"lru"`` or ``"reuse"``."""
+        return "lru" if self._follow_lru else "reuse"
+
+    @property
+    def sample_rate(self) -> int:
+        """One key in ``sample_rate`` drives the shadow caches (1: all of them)."""
+        return self._rate
+
+    def shadow_hits(self) -> tuple[float, float]:
+        """The decayed hit counts of the LRU shadow and of the reuse shadow."""
+        return self._shadow_hits[0], self._shadow_hits[1]
+
+    # -- shadows ------------------------------------------------------------------------------
+
+    def _sampled(self, key: K) -> None:
+        """One use of a sampled key: each shadow hits, or misses and stores it."""
+        hits = self._shadow_hits
+        decay = self._decay
+        for index, shadow in enumerate((self._shadow_lru, self._shadow_reuse)):
+            hits[index] *= decay
+            if key in shadow:
+                hits[index] += 1.0
+                shadow.access(key)
+            else:
+                if len(shadow) >= shadow.capacity:
+                    shadow.evict(1, _always)
+                shadow.insert(key)
+        self._shadow_uses = uses = self._shadow_uses * decay + 1.0
+        lead = self._margin * uses
+        if self._follow_lru:
+            if hits[1] - hits[0] > lead:
+                self._follow_lru = False
+        elif hits[0] - hits[1] > lead:
+            self._follow_lru = True
+
+    # -- the EvictionPolicy interface ---------------------------------------------------------
+
+    def insert(self, key: K) -> None:
+        self._insert(key)
+
+    def _insert(self, key: K) -> None:
+        lru = self._lru
+        if key in lru:
+            raise ValueError(f"{key!r} is already resident")
+        if len(lru) >= self.capacity:
+            raise ValueError(f"cannot insert {key!r}: {self.capacity} keys resident, evict first")
+        self._reuse.insert(key)
+        lru[key] = None
+        if hash(key) % self._rate == 0:
+            self._sampled(key)
+
+    def insert_in(self, key: K, context: RequestContext) -> None:
+        self._insert(key)
+        self._last_request[key] = context.request_id
+
+    def access(self, key: K) -> None:
+        self._access(key)
+
+    def _access(self, key: K) -> None:
+        lru = self._lru
+        if key in lru:
+            lru.move_to_end(key)
+            self._reuse.access(key)
+            if hash(key) % self._rate == 0:
+                self._sampled(key)
+
+    def access_in(self, key: K, context: RequestContext) -> None:
+        last = self._last_request
+        if key in self._lru and last.get(key, _MISSING) != context.request_id:
+            last[key] = context.request_id
+            self._access(key)
+
+    def remove(self, key: K) -> None:
+        if self._lru.pop(key, _MISSING) is not _MISSING:
+            self._reuse.remove(key)
+            self._last_request.pop(key, None)
+
+    def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
+        if n <= 0:
+            return []
+        lru, reuse, last = self._lru, self._reuse, self._last_request
+        if self._follow_lru:
+            victims: list[K] = []
+            for key in lru:
+                if can_evict(key):
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            for key in victims:
+                del lru[key]
+                reuse.remove(key)
+                last.pop(key, None)
+        else:
+            victims = reuse.evict(n, can_evict)
+            for key in victims:
+                del lru[key]
+                last.pop(key, None)
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._lru)
+
+    def check_invariants(self) -> None:
+        assert len(self._lru) <= self.capacity, (len(self._lru), self.capacity)
+        assert len(self._reuse) == len(self._lru), "the experts disagree on the resident set"
+        assert all(key in self._reuse for key in self._lru), "the experts hold other keys"
+        assert all(key in self._lru for key in self._last_request), "stale request marks"
+        self._reuse.check_invariants()
+        self._shadow_lru.check_invariants()
+        self._shadow_reuse.check_invariants()
+        assert all(h >= 0.0 for h in self._shadow_hits), self._shadow_hits
