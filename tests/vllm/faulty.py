@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiering.testing.faults import FaultyTier
+from tiering.testing.faults import FaultPlan, FaultyTier
 from tiers.fs import FileSystemTier
 from tiers.memory import MemoryTier
 
@@ -26,3 +26,13 @@ class FaultyFileSystemTier(FaultyTier):
 
     def __init__(self, *, seed: int = 0, **fs_options: Any) -> None:
         super().__init__(FileSystemTier(**fs_options), seed=seed)
+
+
+class SlowMemoryTier(FaultyTier):
+    """Our in-memory tier writing one block at a time, each ``write_delay_s`` late: a tier
+    that cannot keep up with an engine's stores (``MemoryTier`` options otherwise)."""
+
+    def __init__(self, *, write_delay_s: float = 0.05, **memory_options: Any) -> None:
+        plan = FaultPlan(delay_rate=1.0, delay_s=write_delay_s, ops={"write"})
+        super().__init__(MemoryTier(**memory_options), plan)
+        self.max_concurrency = 1

@@ -6,7 +6,11 @@
 ``kv_transfer_config`` (None: no offloading), ``schedule`` (a list of
 ``[name, seed, words, max_tokens]``: each request is generated alone, greedy,
 in order, with a pause after it so asynchronous offload stores finish), and
-engine sizes (``block_size``, ``engine_blocks``, ``max_model_len``).
+engine sizes (``block_size``, ``engine_blocks``, ``max_model_len``), and
+``final_pause_s`` (a wait after the schedule, for a slow tier to finish its backlog
+before the engine stops), ``scrape_metrics`` (true: after the schedule, while the
+engine is still up, scrape the ``kv_tiering_*`` endpoint our tiers serve with
+``metrics_port``).
 
 The results: for every request its token ids, ``num_cached_tokens`` (prompt
 tokens the engine did not compute: prefix cache or loaded from offload), time
@@ -20,6 +24,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -133,9 +138,41 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             flush=True,
         )
         time.sleep(spec.get("pause_s", 0.5))  # asynchronous stores and cascades finish
+    time.sleep(spec.get("final_pause_s", 0.0))
     summary = {"init_s": round(init_s, 2), "results": results, "metrics": _metrics(llm)}
+    if spec.get("scrape_metrics"):
+        summary["url"], summary["scrape"] = _scrape_our_endpoint()
     del llm
     return summary
+
+
+def _scrape_our_endpoint() -> tuple[str, str]:
+    """(url, text) of the local /metrics endpoint serving kv_tiering_* series.
+
+    Our tiers serve it from the engine's scheduler process with ``metrics_port:
+    0`` (any free port): it is found among the listening sockets of this process's
+    children.
+    """
+    import psutil
+
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        try:
+            sockets = process.net_connections(kind="tcp")
+        except (psutil.Error, OSError):
+            continue
+        for sock in sockets:
+            if sock.status != psutil.CONN_LISTEN or sock.laddr.ip != "127.0.0.1":
+                continue
+            url = f"http://127.0.0.1:{sock.laddr.port}/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    text = response.read().decode()
+            except OSError:
+                continue
+            if "kv_tiering_secondary_" in text:
+                return url, text
+    raise RuntimeError("no process of the engine serves kv_tiering_* metrics on 127.0.0.1")
 
 
 def main() -> int:

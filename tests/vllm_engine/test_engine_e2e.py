@@ -8,12 +8,19 @@ tiny local Llama, greedy decoding, the same prompt schedule:
 
 - baseline: no offloading (A2 is recomputed: 0 cached tokens);
 - ours-fs: ``KVTieringOffloadingSpec`` (our copy engine on the worker side)
-  with ``KVTieringFileSystemTier``: A2 comes back from disk;
+  with ``KVTieringFileSystemTier``: A2 comes back from disk; ``metrics_port``
+  set, its kv_tiering_* endpoint scraped while the engine runs;
 - restart: a fresh engine on the same filesystem root runs A alone: its first
   request is served from the blocks the previous engine left;
-- redis: ``KVTieringRedisTier`` as the secondary tier;
+- redis: ``KVTieringRedisTier`` as the secondary tier; then a second engine on
+  the same namespace is served the first's prefix, and an engine with another
+  model gets no hit;
+- admission: ``cascade_admission: "reuse"``: only the prompt asked twice reaches
+  the fs tier;
 - negative control: the same spec but every loaded block is zeroed in the
   engine: A2's tokens must change, proving the outputs depend on the loaded bytes;
+  after its fs tier, a tier of ours throttled to a fifth or less of the offered
+  store bandwidth (back-pressure drops and counts its cascades);
 - hybrid: a Gemma-3-style model alternating sliding-window and full attention
   (two KV-cache groups of different kinds), block-size factor 1 and 2, with our
   filesystem tier: the same schedule, shorter prompts in a smaller engine;
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.redis_server import RedisServer
 from tests.vllm_engine.engine_run import kv_bytes_per_block
@@ -92,7 +100,8 @@ def run_engine(
 ) -> dict[str, Any]:
     """One engine process; returns its results (fails with the log's tail if it fails).
 
-    ``sizes`` override the engine's (``engine_blocks``, ``max_model_len``).
+    ``sizes`` override the engine's (``engine_blocks``, ``max_model_len``) or set other
+    keys of ``engine_run``'s spec (``scrape_metrics``).
     """
     spec = {
         "model": model,
@@ -148,8 +157,10 @@ def fs_root(workdir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ours_fs(workdir: Path, model: str, fs_root: Path) -> dict[str, Any]:
+    """Our fs tier under vLLM's manager, serving our metrics (scraped before the engine stops)."""
     tier = {"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(fs_root)}
-    return run_engine(workdir, "ours-fs", model, offload_config(model, [tier]), SCHEDULE)
+    config = offload_config(model, [tier], metrics_port=0, metrics_host="127.0.0.1")
+    return run_engine(workdir, "ours-fs", model, config, SCHEDULE, scrape_metrics=True)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +199,33 @@ def test_fs_tier_tokens_identical_and_repeated_prompt_from_disk(
     assert metric(ours_fs, "vllm:external_prefix_cache_hits") >= 31 * BLOCK_SIZE
 
 
+def test_the_engine_serves_our_tiers_metrics(ours_fs: dict[str, Any]) -> None:
+    """``metrics_port`` inside a real engine: the scheduler process serves the kv_tiering_*
+    series of the tier vLLM's manager drives, with what it stored and loaded for A."""
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(ours_fs["scrape"])
+        for sample in family.samples
+        if sample.name.startswith("kv_tiering_secondary_")
+    }
+
+    def value(name: str, **labels: str) -> float:
+        found = [
+            v
+            for (n, lbls), v in samples.items()
+            if n == name and labels.items() <= dict(lbls).items()
+        ]
+        assert len(found) == 1, f"{name}{labels}: {len(found)} samples in {ours_fs['url']}"
+        return found[0]
+
+    assert value("kv_tiering_secondary_blocks") > 0
+    assert value("kv_tiering_secondary_capacity_blocks") > 0
+    assert value("kv_tiering_secondary_stored_bytes_total") > 0
+    assert value("kv_tiering_secondary_loaded_bytes_total") > 0  # A came back from disk
+    assert value("kv_tiering_secondary_job_seconds_count", direction="store") > 0
+    assert value("kv_tiering_secondary_failed_jobs_total") == 0
+
+
 def test_fresh_engine_reuses_the_blocks_after_a_restart(
     workdir: Path, model: str, fs_root: Path, baseline: dict[str, Any], ours_fs: dict[str, Any]
 ) -> None:
@@ -202,35 +240,88 @@ def test_fresh_engine_reuses_the_blocks_after_a_restart(
     assert metric(restart, "vllm:kv_offload_tiering_read_bytes", OUR_TIER_LABEL) > 0
 
 
-def test_redis_tier_as_the_secondary_tier(
-    workdir: Path, model: str, baseline: dict[str, Any], redis_for_engines: RedisServer
-) -> None:
+@pytest.fixture(scope="module")
+def redis_run(workdir: Path, model: str, redis_for_engines: RedisServer) -> dict[str, Any]:
+    """The schedule on our Redis tier (a namespace a second engine shares later)."""
     tier = {
         "type": "KVTieringRedisTier",
         "module_path": OURS,
         "url": redis_for_engines.url,
-        "namespace": "e2e",
+        "namespace": "shared-by-engines",
     }
-    run = run_engine(workdir, "redis", model, offload_config(model, [tier]), SCHEDULE)
-    assert_same_tokens(run, baseline)
-    assert_served_from_offload(run, baseline)
-    assert metric(run, "vllm:kv_offload_tiering_read_bytes", OUR_TIER_LABEL) > 0
+    return run_engine(workdir, "redis", model, offload_config(model, [tier]), SCHEDULE)
+
+
+def test_redis_tier_as_the_secondary_tier(
+    redis_run: dict[str, Any], baseline: dict[str, Any], redis_for_engines: RedisServer
+) -> None:
+    assert_same_tokens(redis_run, baseline)
+    assert_served_from_offload(redis_run, baseline)
+    assert metric(redis_run, "vllm:kv_offload_tiering_read_bytes", OUR_TIER_LABEL) > 0
     assert redis_for_engines.client().dbsize() > 0
 
 
-def test_outputs_depend_on_the_loaded_bytes(
-    workdir: Path, model: str, baseline: dict[str, Any]
-) -> None:
-    tier = {"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(workdir / "z")}
-    config = offload_config(model, [tier])
+#: The throttled tier writes one block per this many seconds, one at a time: a 31-block
+#: prompt takes it 6.2 s, while the engine offers one every second or two.
+THROTTLED_WRITE_S = 0.2
+#: The negative control's CPU tier: room for the next prompt while the throttled tier's one
+#: admitted job pins a whole prompt's chunks (a job is admitted whole when the tier is idle).
+NEGATIVE_CONTROL_CPU_CHUNKS = 80
+
+
+@pytest.fixture(scope="module")
+def negative_control(workdir: Path, model: str) -> dict[str, Any]:
+    """Every block loaded into the engine zeroed; our fs tier, then a throttled tier of ours."""
+    tiers = [
+        {"type": "KVTieringFileSystemTier", "module_path": OURS, "root_dir": str(workdir / "z")},
+        {
+            "type": "KVTieringTier",
+            "module_path": OURS,
+            "tier": "tests.vllm.faulty:SlowMemoryTier",
+            "medium": "CPU",
+            "write_delay_s": THROTTLED_WRITE_S,
+            # vLLM gives its engine core a few seconds to stop, then kills it
+            "shutdown_timeout_s": 2.0,
+        },
+    ]
+    config = offload_config(model, tiers)
     config["kv_connector_extra_config"].update(
-        spec_name="ZeroLoadedBlocksSpec", spec_module_path="tests.vllm_engine.corrupting_spec"
+        spec_name="ZeroLoadedBlocksSpec",
+        spec_module_path="tests.vllm_engine.corrupting_spec",
+        cpu_bytes_to_use=kv_bytes_per_block(model, BLOCK_SIZE) * NEGATIVE_CONTROL_CPU_CHUNKS,
     )
-    run = run_engine(workdir, "negative-control", model, config, SCHEDULE)
+    # The throttled tier's backlog (at most two prompts' jobs: 12.4 s) drains before shutdown.
+    return run_engine(workdir, "negative-control", model, config, SCHEDULE, final_pause_s=13.0)
+
+
+def test_outputs_depend_on_the_loaded_bytes(
+    negative_control: dict[str, Any], baseline: dict[str, Any]
+) -> None:
+    run = negative_control
     assert run["by_name"]["A2"]["num_cached_tokens"] > 0  # it was served from offload...
     assert run["by_name"]["A2"]["token_ids"] != baseline["by_name"]["A2"]["token_ids"]  # ...so
     # zeroed KV must change the tokens; and requests that loaded nothing are untouched.
     assert run["by_name"]["A1"]["token_ids"] == baseline["by_name"]["A1"]["token_ids"]
+
+
+def test_a_throttled_tier_drops_and_counts_instead_of_stalling_the_engine(
+    negative_control: dict[str, Any], baseline: dict[str, Any]
+) -> None:
+    """Back-pressure on by default: a tier that cannot keep up (a fifth or less of the offered
+    store bandwidth) gets no new cascade while it is behind; vLLM drops those blocks for it
+    and counts them, and every block offered is either stored by it or counted dropped. The
+    engine never waited for it: every request that loaded nothing has the baseline's tokens."""
+    run = negative_control
+    for name in ("A1", "F1", "F2", "F3", "F4"):
+        assert run["by_name"][name]["token_ids"] == baseline["by_name"][name]["token_ids"]
+    stored = blocks_stored(run, "KVTieringTier")
+    dropped = metric(run, "vllm:kv_offload_tiering_backpressure_blocks_dropped", "2:")
+    # Both tiers were offered the same blocks (the fast one, if ever behind, counts its own).
+    offered = blocks_stored(run, "KVTieringFileSystemTier") + metric(
+        run, "vllm:kv_offload_tiering_backpressure_blocks_dropped", "1:"
+    )
+    assert dropped > 0 and stored > 0, (stored, dropped, offered)
+    assert stored + dropped == offered
 
 
 # -- a hybrid model: sliding-window and full-attention layers, two KV-cache groups ------------
@@ -291,6 +382,7 @@ def test_a_second_engine_gets_the_firsts_prefixes_and_another_model_gets_none(
     baseline: dict[str, Any],
     hybrid_baseline: dict[str, Any],
     redis_for_engines: RedisServer,
+    redis_run: dict[str, Any],
 ) -> None:
     tier = {
         "type": "KVTieringRedisTier",
@@ -299,7 +391,7 @@ def test_a_second_engine_gets_the_firsts_prefixes_and_another_model_gets_none(
         "namespace": "shared-by-engines",
     }
     first_a = [["A1", 0, PROMPT_WORDS, 16]]
-    run_engine(workdir, "redis-first", model, offload_config(model, [tier]), first_a)
+    assert redis_run["by_name"]["A1"]["num_cached_tokens"] == 0  # the first engine computed A
     second = run_engine(workdir, "redis-second", model, offload_config(model, [tier]), first_a)
     served = second["by_name"]["A1"]
     assert served["token_ids"] == baseline["by_name"]["A1"]["token_ids"]
@@ -351,10 +443,10 @@ def test_reuse_admission_writes_only_reused_prompts_to_the_fs_tier(
     assert stored <= PROMPT_WORDS // BLOCK_SIZE + 1  # A's blocks, nothing else
 
 
-def blocks_stored(run: dict[str, Any]) -> int:
-    """What our tier wrote, from the line it logs when vLLM shuts it down."""
-    found = re.findall(r"kv-tiering tier '\w+' shut down: (\d+) blocks stored", run["log"])
-    assert len(found) == 1, "the engine did not shut our tier down"
+def blocks_stored(run: dict[str, Any], tier_type: str = r"\w+") -> int:
+    """What our tier (of this type) wrote, from the line it logs when vLLM shuts it down."""
+    found = re.findall(rf"kv-tiering tier '{tier_type}' shut down: (\d+) blocks stored", run["log"])
+    assert len(found) == 1, f"the engine did not shut our tier {tier_type} down"
     return int(found[0])
 
 
