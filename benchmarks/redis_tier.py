@@ -5,9 +5,11 @@ Starts its own redis-server (no persistence) on a free loopback port. For
 
 * through the tier: ``RedisTier.write_many`` / ``read_many`` (header, xxh3
   checksum, verification, copy of each value into its destination row);
-* through the tier with an auth key (``auth_key_env``): the same, with an
-  HMAC-SHA256 tag computed per stored block and checked per loaded block
-  instead of the xxh3 checksum (the cost of authenticated blocks);
+* through the tier with an auth key (``auth_key_env``): the same, with a tag
+  computed per stored block and checked per loaded block instead of the xxh3
+  checksum (the cost of authenticated blocks): keyed BLAKE3 (``auth``, the
+  default) and HMAC-SHA256 (``hmac``, ``auth_mac: "hmac-sha256"``, what earlier
+  releases used);
 * raw: the same redis-py asyncio client settings, one pipeline per job of
   ``SET key <row>`` (the row's memoryview, no header) / ``GET key`` (the
   returned bytes are not copied anywhere), queued with ``execute_command``
@@ -109,6 +111,15 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
         auth_key_env=AUTH_ENV,
     )
     await auth_tier.open(context)
+    hmac_tier = RedisTier(
+        url=url,
+        namespace="bench",
+        max_blocks_in_flight=per_job,
+        op_timeout_s=30,
+        auth_key_env=AUTH_ENV,
+        auth_mac="hmac-sha256",
+    )
+    await hmac_tier.open(context)
     # The raw loop uses a client built with the tier's own settings, so the ratio
     # measures the tier's work (header, checksum, verification, copies), not tuning.
     raw = build_client(tier.config)
@@ -130,6 +141,7 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
 
     tier_store, tier_load = stores(tier), loads(tier)
     auth_store, auth_load = stores(auth_tier), loads(auth_tier)
+    hmac_store, hmac_load = stores(hmac_tier), loads(hmac_tier)
 
     async def raw_store() -> None:
         for lo, hi in jobs:
@@ -147,28 +159,32 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
 
     measures = {
         f"{side}_{op}": Measure([], [])
-        for side in ("tier", "auth", "raw")
+        for side in ("tier", "auth", "hmac", "raw")
         for op in ("store", "load")
     }
     try:
         await tier_store()  # warm-up: connections, allocator, server memory
         await auth_store()
+        await hmac_store()
         await raw_store()
         for _ in range(reps):
             await timed(raw_store, measures["raw_store"])
             await timed(tier_store, measures["tier_store"])
             await timed(auth_store, measures["auth_store"])
+            await timed(hmac_store, measures["hmac_store"])
             await timed(raw_load, measures["raw_load"])
             await timed(tier_load, measures["tier_load"])
             await timed(auth_load, measures["auth_load"])
+            await timed(hmac_load, measures["hmac_load"])
         first = jobs[0][1]
-        for check in (tier, auth_tier):
+        for check in (tier, auth_tier, hmac_tier):
             dest[:] = bytes(len(dest))
             await check.read_many(keys[:first], dest_rows[:first])
             assert bytes(dest[: block * first]) == bytes(source[: block * first])
     finally:
         await tier.aclose()
         await auth_tier.aclose()
+        await hmac_tier.aclose()
         await raw.aclose()
 
     moved = blocks_total * block
@@ -176,12 +192,14 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
     for op in ("store", "load"):
         t_gbs, t_runs, t_best, t_cpu = measures[f"tier_{op}"].rate(moved)
         a_gbs, _, _, a_cpu = measures[f"auth_{op}"].rate(moved)
+        h_gbs, _, _, _ = measures[f"hmac_{op}"].rate(moved)
         r_gbs, r_runs, r_best, r_cpu = measures[f"raw_{op}"].rate(moved)
         lines.append(
             f"| {block // KIB:>5} KiB | {op:5} | {t_gbs:6.2f} | {t_runs * blocks_total:8.0f} | "
             f"{r_gbs:6.2f} | {r_runs * blocks_total:8.0f} | {t_gbs / r_gbs:6.0%} | "
             f"{t_best / r_best:6.0%} | {t_cpu:5.2f} | {r_cpu:5.2f} | "
             f"{a_gbs:6.2f} | {a_gbs / t_gbs:6.0%} | {a_cpu:5.2f} | "
+            f"{h_gbs:6.2f} | {h_gbs / t_gbs:6.0%} | "
             f"{t_cpu * block / 1e3:7.1f} | {(t_cpu - r_cpu) * block / 1e3:7.1f} |"
         )
     return lines
@@ -279,9 +297,12 @@ async def main_async(args: argparse.Namespace) -> None:
             print(
                 "| block     | op    | tier GB/s | tier blk/s | raw GB/s | raw blk/s | "
                 "tier/raw | tier/raw (best) | tier CPU s/GB | raw CPU s/GB | "
-                "auth GB/s | auth/tier | auth CPU s/GB | tier CPU us/blk | over raw us/blk |"
+                "auth GB/s | auth/tier | auth CPU s/GB | hmac GB/s | hmac/tier | "
+                "tier CPU us/blk | over raw us/blk |"
             )
-            print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            print(
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            )
             for block in BLOCK_SIZES:
                 for line in await bench_size(
                     server.url, block, args.total_mib * MIB, args.job_mib * MIB, args.reps
