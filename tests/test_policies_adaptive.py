@@ -88,6 +88,8 @@ def test_registered_as_a_builtin_with_options() -> None:
         {"memory": float("nan")},
         {"margin": -0.1},
         {"margin": 2},
+        {"start": "arc"},
+        {"evidence": -1},
     ],
 )
 def test_bad_options_are_config_errors(options: dict[str, object]) -> None:

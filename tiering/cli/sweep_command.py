@@ -181,7 +181,7 @@ def _family_workloads(args: argparse.Namespace, text: str) -> list[tuple[str, An
         if name == "trace":
             if not fam.SHARED_TRACE.is_file():
                 raise UsageError(
-                    f"family trace: {fam.SHARED_TRACE} is not here (run from a checkout)"
+                    f"family trace: {fam.SHARED_TRACE} is not here (a checkout has it)"
                 )
             workloads.append(
                 (fam.SHARED_TRACE.name, read_trace(fam.SHARED_TRACE, args.block_tokens))

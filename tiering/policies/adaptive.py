@@ -18,8 +18,10 @@ the one that is doing better choose the victims:
   with ``hash(key) % rate == 0``) drives two standalone caches of ``capacity / rate``
   keys, one per expert, with ``rate`` chosen so each shadow holds at least ``shadow``
   keys (the whole capacity below that: exact). Each shadow's hits are counted with
-  exponential decay over ``memory x`` its capacity sampled uses. The policy follows the
-  reuse expert until the LRU shadow leads by more than ``margin`` (relative), then
+  exponential decay over ``memory x`` its capacity sampled uses, from the moment the
+  shadows first evict (before that both hit alike, and those uses would only dilute
+  the lead) and after ``evidence x`` its capacity of them. The policy follows the
+  reuse expert until the LRU shadow's hit rate leads by more than ``margin``, then
   follows LRU until the reuse shadow leads by that margin (hysteresis: flapping
   between two orders leaves a state worse than either).
 * **prefix order**: both experts evict oldest first, and the owner touches and stores a
@@ -77,9 +79,12 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
     """LRU or a reuse expert (ARC), chosen online by sampled shadow caches.
 
     Options: ``expert`` (``"arc"``, default, or ``"kvaware"``), ``shadow`` (the least
-    keys a shadow cache holds, 4096), ``memory`` (the shadows' hit counts decay over
-    ``memory x`` shadow capacity sampled uses, 16), ``margin`` (relative lead needed to
-    switch experts, 0.01). See the module docstring.
+    keys a shadow cache holds, 2048), ``memory`` (the shadows' hit counts decay over
+    ``memory x`` shadow capacity sampled uses, 32), ``margin`` (the lead in hit rate,
+    over the decayed sampled uses, needed to switch experts: 0.002, i.e. 0.2 point),
+    ``start`` (the expert followed first, ``"reuse"`` or ``"lru"``), ``evidence`` (sampled
+    uses, per shadow capacity, counted after the shadows first evict before any switch,
+    1). See the module docstring.
     """
 
     def __init__(
@@ -87,9 +92,11 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         capacity: int,
         *,
         expert: str = "arc",
-        shadow: int = 4096,
-        memory: float = 16.0,
+        shadow: int = 2048,
+        memory: float = 32.0,
         margin: float = 0.002,
+        start: str = "reuse",
+        evidence: float = 1.0,
     ) -> None:
         super().__init__(capacity)
         if expert not in ("arc", "kvaware"):
@@ -106,9 +113,12 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         self._shadow_reuse: ARCPolicy[K] | KVAwarePolicy[K] = _reuse_expert(expert, mini)
         self._shadow_hits = [0.0, 0.0]  # LRU's, the reuse expert's (decayed)
         self._shadow_uses = 0.0  # sampled uses (decayed alike)
-
+        self._shadows_full = False  # counts restart when the shadows first evict
+        self._evidence = _number("evidence", evidence, 0, 1e6) * mini
         self._decay = 1.0 - 1.0 / (memory * mini)
-        self._follow_lru = False
+        if start not in ("lru", "reuse"):
+            raise ValueError(f"start must be 'lru' or 'reuse', got {start!r}")
+        self._follow_lru = start == "lru"
         self._last_request: dict[K, Hashable] = {}
 
     # -- introspection ----------------------------------------------------------------------
@@ -133,16 +143,23 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         """One use of a sampled key: each shadow hits, or misses and stores it."""
         hits = self._shadow_hits
         decay = self._decay
+        hit = [False, False]
         for index, shadow in enumerate((self._shadow_lru, self._shadow_reuse)):
-            hits[index] *= decay
             if key in shadow:
-                hits[index] += 1.0
+                hit[index] = True
                 shadow.access(key)
             else:
                 if len(shadow) >= shadow.capacity:
                     shadow.evict(1, _always)
+                    if not self._shadows_full:  # evidence starts when evictions do
+                        self._shadows_full = True
+                        hits[0] = hits[1] = self._shadow_uses = 0.0
                 shadow.insert(key)
+        hits[0] = hits[0] * decay + hit[0]
+        hits[1] = hits[1] * decay + hit[1]
         self._shadow_uses = uses = self._shadow_uses * decay + 1.0
+        if uses < self._evidence:
+            return
         lead = self._margin * uses
         if self._follow_lru:
             if hits[1] - hits[0] > lead:

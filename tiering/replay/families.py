@@ -28,8 +28,10 @@ from tiering.core.errors import ConfigError
 from tiering.replay.synthetic import SyntheticWorkload, _BlockNamer, _Conversation, _Segment
 from tiering.replay.trace import DEFAULT_BLOCK_TOKENS, Request
 
-#: The shared synthetic trace, relative to a checkout's root.
-SHARED_TRACE = Path("tests/data/mooncake_synthetic_trace.jsonl.gz")
+#: The shared synthetic trace, in the checkout this package runs from (absent from a wheel).
+SHARED_TRACE = (
+    Path(__file__).resolve().parents[2] / "tests" / "data" / "mooncake_synthetic_trace.jsonl.gz"
+)
 
 
 def chat_long_workload(num_requests: int, seed: int, block_tokens: int) -> SyntheticWorkload:
