@@ -17,13 +17,15 @@ the one that is doing better choose the victims:
   Caffeine's hill climber and of ARC's ghost hits): a spatial sample of the keys (those
   with ``hash(key) % rate == 0``) drives two standalone caches of ``capacity / rate``
   keys, one per expert, with ``rate`` chosen so each shadow holds at least ``shadow``
-  keys (the whole capacity below that: exact). Each shadow's hits are counted with
-  exponential decay over ``memory x`` its capacity sampled uses, from the moment the
-  shadows first evict (before that both hit alike, and those uses would only dilute
-  the lead) and after ``evidence x`` its capacity of them. The policy follows the
-  reuse expert until the LRU shadow's hit rate leads by more than ``margin``, then
-  follows LRU until the reuse shadow leads by that margin (hysteresis: flapping
-  between two orders leaves a state worse than either).
+  keys (the whole capacity below that: exact; ``hash`` of ``str`` / ``bytes`` keys is
+  salted per process, so which keys are sampled, not how many, changes between runs).
+  Each shadow's hits are counted with exponential decay over ``memory x`` its capacity
+  sampled uses, from the moment the shadows first evict (before that both hit alike,
+  and those uses would only dilute the lead), and no switch comes before ``evidence x``
+  its capacity of them. The policy follows the reuse expert until the LRU shadow's hit
+  rate leads by more than ``margin``, then follows LRU until the reuse shadow leads by
+  that margin (hysteresis: flapping between two orders leaves a state worse than
+  either).
 * **prefix order**: both experts evict oldest first, and the owner touches and stores a
   request's blocks last block first, so a prefix's tail goes before its head.
 * **one use per request** (:class:`~tiering.policies.request.RequestAwarePolicy`):
@@ -180,7 +182,8 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
             raise ValueError(f"cannot insert {key!r}: {self.capacity} keys resident, evict first")
         self._reuse.insert(key)
         lru[key] = None
-        if hash(key) % self._rate == 0:
+        rate = self._rate
+        if rate == 1 or hash(key) % rate == 0:
             self._sampled(key)
 
     def insert_in(self, key: K, context: RequestContext) -> None:
@@ -195,7 +198,8 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         if key in lru:
             lru.move_to_end(key)
             self._reuse.access(key)
-            if hash(key) % self._rate == 0:
+            rate = self._rate
+            if rate == 1 or hash(key) % rate == 0:
                 self._sampled(key)
 
     def access_in(self, key: K, context: RequestContext) -> None:
