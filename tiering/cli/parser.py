@@ -29,7 +29,9 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         type=Path,
         help="Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids); "
-        "optionally .gz. Default: the built-in synthetic workload.",
+        "optionally .gz. Default: the built-in synthetic workload. `tiering sweep` also takes "
+        "workload families: family:all, or family:NAME[@SEED],... (builtin, chat-long, "
+        "scan-heavy, trace; docs/policies.md).",
     )
     parser.add_argument(
         "--requests",
