@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +10,10 @@ import pytest
 
 from tiering.core.contract import OffloadingEvent
 from tiering.core.errors import ConfigError, ContractError, TierClosedError
-from tiering.core.keys import NO_CONTEXT, OffloadKey, make_offload_key
+from tiering.core.keys import NO_CONTEXT, OffloadKey, ReqContext, make_offload_key
 from tiering.core.specs import CPULoadStoreSpec
+from tiering.policies import LRUPolicy
+from tiering.policies.request import RequestAwarePolicy, RequestContext
 from tiering.primary import CPUPrimaryTier
 from tiering.primary.host_buffer import SHM_DIR, HostBuffer, make_shared_name
 
@@ -307,3 +309,58 @@ def test_error_messages_abbreviate_long_key_lists() -> None:
     tier = small_tier(2)
     with pytest.raises(ContractError, match=r"10 keys: .*\.\.\. \(6 more\)"):
         tier.prepare_load(keys(*range(10)), NO_CONTEXT)
+
+
+class RecordingPolicy(RequestAwarePolicy[OffloadKey]):
+    """LRU that records the request context of each use (a request-aware policy)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.inner = LRUPolicy[OffloadKey](capacity)
+        self.uses: list[tuple[OffloadKey, RequestContext | None]] = []
+
+    def insert(self, key: OffloadKey) -> None:
+        self.inner.insert(key)
+
+    def access(self, key: OffloadKey) -> None:
+        self.uses.append((key, None))
+        self.inner.access(key)
+
+    def access_in(self, key: OffloadKey, context: RequestContext) -> None:
+        self.uses.append((key, context))
+        self.inner.access(key)
+
+    def remove(self, key: OffloadKey) -> None:
+        self.inner.remove(key)
+
+    def evict(self, n: int, can_evict: Callable[[OffloadKey], bool]) -> list[OffloadKey]:
+        return self.inner.evict(n, can_evict)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.inner
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(self.inner)
+
+    def check_invariants(self) -> None:
+        self.inner.check_invariants()
+
+
+def test_a_request_aware_policy_gets_the_request_position_and_group_with_each_touch() -> None:
+    tier = small_tier(4, policy="tests.test_primary:RecordingPolicy")
+    store(tier, 0, 1)
+    grouped = make_offload_key(b"g" * 16, 3)
+    tier.touch([key(0), key(1), grouped], ReqContext("req-7"))
+    policy = tier._policy
+    assert isinstance(policy, RecordingPolicy)
+    assert policy.uses == [  # last block first: a prefix's tail is the first to go
+        (grouped, RequestContext("req-7", 2, 3)),
+        (key(1), RequestContext("req-7", 1, 0)),
+        (key(0), RequestContext("req-7", 0, 0)),
+    ]
+    policy.uses.clear()
+    tier.touch([key(0)], NO_CONTEXT)  # no request: the key-only contract
+    assert policy.uses == [(key(0), None)]

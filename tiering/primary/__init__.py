@@ -26,6 +26,7 @@ from tiering.core.errors import ConfigError, ContractError, TierClosedError
 from tiering.core.keys import OffloadKey, ReqContext
 from tiering.core.specs import CPULoadStoreSpec
 from tiering.policies import EvictionPolicy, PolicyChoice, make_policy
+from tiering.policies.request import RequestAwarePolicy, RequestContext
 from tiering.primary.host_buffer import BlockGeometry, HostBuffer, validate_geometry
 
 MEDIUM = "CPU"
@@ -192,10 +193,23 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         """Record a use of the ready keys; unknown or storing keys are ignored.
 
         The first key ends most recently used: a prefix's later blocks are
-        worthless without its earlier ones, so those go first.
+        worthless without its earlier ones, so those go first. A request-aware
+        policy (:class:`~tiering.policies.request.RequestAwarePolicy`) gets the
+        request with each key - its id, the key's position in ``keys`` (the
+        request's blocks in prefix order) and its KV group - so that an engine
+        touching a request's blocks once per decoded token counts one use.
         """
-        access = self._policy.access
-        for key in reversed(_as_sequence(keys)):
+        keys = _as_sequence(keys)
+        policy = self._policy
+        request = req_context.req_id
+        if request and isinstance(policy, RequestAwarePolicy):
+            for position in range(len(keys) - 1, -1, -1):
+                key = keys[position]
+                group = int.from_bytes(key[-4:], "big")  # make_offload_key's 4-byte suffix
+                policy.access_in(key, RequestContext(request, position, group))
+            return
+        access = policy.access
+        for key in reversed(keys):
             access(key)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
