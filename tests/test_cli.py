@@ -679,3 +679,42 @@ def test_the_spec_gives_the_manager_its_share(fraction: float | None, budget: in
         assert manager._cascade_budget == budget
     finally:
         manager.shutdown()
+
+
+def test_auth_mac_works_through_the_cli_and_the_spec(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auth_mac`` as a config file key, a ``--tier`` option and through our spec."""
+    from tiering.spec import build_manager
+
+    monkeypatch.setenv("KVT_CLI_AUTH_KEY", "k" * 32)
+    config = tmp_path / "auth.yaml"
+    config.write_text(
+        "cpu_bytes_to_use: 1MiB\n"
+        "secondary_tiers:\n"
+        f"  - {{type: fs, root_dir: {tmp_path / 'a'}, auth_key_env: KVT_CLI_AUTH_KEY,"
+        " auth_mac: hmac-sha256}\n"
+    )
+    assert main(["replay", *SMALL, "--config", str(config)]) == 0
+    assert "verified byte for byte" in capsys.readouterr().out
+    tier = f"fs:root_dir={tmp_path / 'b'},auth_key_env=KVT_CLI_AUTH_KEY,auth_mac=blake3"
+    assert main(["replay", *SMALL, "--cpu-bytes", "1MiB", "--tier", tier]) == 0
+    assert "verified byte for byte" in capsys.readouterr().out
+    bad = f"fs:root_dir={tmp_path / 'c'},auth_key_env=KVT_CLI_AUTH_KEY,auth_mac=md5"
+    assert main(["replay", *SMALL, "--cpu-bytes", "1MiB", "--tier", bad]) == EXIT_BAD_INPUT
+    assert "auth_mac must be one of 'blake3', 'hmac-sha256'" in capsys.readouterr().err
+    for mac in ("blake3", "hmac-sha256"):
+        entry = {
+            "type": "fs",
+            "root_dir": str(tmp_path / mac),
+            "auth_key_env": "KVT_CLI_AUTH_KEY",
+            "auth_mac": mac,
+        }
+        manager = build_manager(
+            {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [entry]}, block_bytes=4096
+        )
+        try:
+            authenticator = manager.secondary_tiers[0].tier.config.authenticator
+            assert authenticator is not None and authenticator.mac == mac
+        finally:
+            manager.shutdown()

@@ -529,3 +529,23 @@ def test_class_names_are_exported() -> None:
     assert {KVTieringFileSystemTier, KVTieringMemoryTier, KVTieringRedisTier} <= set(
         KVTieringTier.__subclasses__()
     )
+
+
+@pytest.mark.parametrize("mac", ["blake3", "hmac-sha256"])
+def test_auth_mac_reaches_our_fs_tier_through_vllms_factory(
+    make_manager: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, mac: str
+) -> None:
+    monkeypatch.setenv("KVT_VLLM_AUTH_KEY", "k" * 32)
+    entry = ours(
+        "KVTieringFileSystemTier",
+        root_dir=str(tmp_path / "fs"),
+        auth_key_env="KVT_VLLM_AUTH_KEY",
+        auth_mac=mac,
+    )
+    manager, driver = make_manager([entry])
+    authenticator = tier_of(manager).runtime.tier.config.authenticator  # type: ignore[attr-defined]
+    assert authenticator is not None and authenticator.mac == mac
+    round_trip(driver, chained_keys(f"auth-{mac}", 4))
+    bad = {**entry, "auth_mac": "md5", "root_dir": str(tmp_path / "bad")}
+    with pytest.raises(ConfigError, match="auth_mac must be one of 'blake3', 'hmac-sha256'"):
+        make_manager([bad])
