@@ -60,28 +60,29 @@ RUNTIME_DEFAULTS: RuntimeOptions = {
     "max_gil_hold_ms": DEFAULT_MAX_GIL_HOLD_MS,
     "gc_handoff": True,
 }
+#: The options :func:`check_runtime_options` checks (the others name, not configure).
+_CHECKED = frozenset(RUNTIME_DEFAULTS) - {"name", "layout_fingerprint"}
 
 
-def check_runtime_options(
-    *,
-    job_timeout_s: object = 30.0,
-    open_timeout_s: object = 30.0,
-    shutdown_timeout_s: object = 10.0,
-    cancel_grace_s: object = 1.0,
-    shared_absent_ttl_s: object = 5.0,
-    shared_present_ttl_s: object = 60.0,
-    shared_max_known_keys: object = 1_000_000,
-    max_events: object = 100_000,
-    verify: object = None,
-    failed_load_backoff_s: object = 0.0,
-    cpus: object = None,
-    max_gil_hold_ms: object = DEFAULT_MAX_GIL_HOLD_MS,
-    gc_handoff: object = True,
-) -> None:
+def check_runtime_options(**options: object) -> None:
     """Check the runtime's options (a tier entry's framework keys) without building anything.
 
-    Raises :class:`~tiering.core.errors.ConfigError` naming the first bad one.
+    Any of :class:`RuntimeOptions` but ``name`` and ``layout_fingerprint``; those left out
+    take :data:`RUNTIME_DEFAULTS`. Raises :class:`~tiering.core.errors.ConfigError` naming
+    the first bad one (``TypeError`` for a keyword that is not an option).
     """
+    unknown = sorted(set(options) - _CHECKED)
+    if unknown:
+        raise TypeError(f"check_runtime_options() got unexpected options {unknown}")
+    merged: dict[str, object] = {**RUNTIME_DEFAULTS, **options}
+    job_timeout_s, open_timeout_s = merged["job_timeout_s"], merged["open_timeout_s"]
+    shutdown_timeout_s, cancel_grace_s = merged["shutdown_timeout_s"], merged["cancel_grace_s"]
+    shared_absent_ttl_s = merged["shared_absent_ttl_s"]
+    shared_present_ttl_s = merged["shared_present_ttl_s"]
+    shared_max_known_keys, max_events = merged["shared_max_known_keys"], merged["max_events"]
+    verify, failed_load_backoff_s = merged["verify"], merged["failed_load_backoff_s"]
+    cpus, max_gil_hold_ms = merged["cpus"], merged["max_gil_hold_ms"]
+    gc_handoff = merged["gc_handoff"]
     for option, value in (
         ("job_timeout_s", job_timeout_s),
         ("open_timeout_s", open_timeout_s),
@@ -160,8 +161,6 @@ def primary_geometry(view: memoryview, block_bytes: int | None) -> tuple[memoryv
 def resolved_options(options: RuntimeOptions) -> RuntimeOptions:
     """``options`` over :data:`RUNTIME_DEFAULTS`, checked (``ConfigError`` naming the first
     bad one): every key present."""
-    merged: RuntimeOptions = {**RUNTIME_DEFAULTS, **options}
-    check_runtime_options(
-        **{k: v for k, v in merged.items() if k not in ("name", "layout_fingerprint")}
-    )
-    return merged
+    naming = ("name", "layout_fingerprint")
+    check_runtime_options(**{k: v for k, v in options.items() if k not in naming})
+    return {**RUNTIME_DEFAULTS, **options}
