@@ -335,9 +335,14 @@ def test_a_yaml_config_in_vllms_shape_builds_the_stack(
     assert set(report["hit_rate"]["secondary"]) == {"warm", "memory#1"}
     assert report["tiers"][2]["capacity_blocks"] == 100
     hit = report["hit_rate"]
-    if report["tier_failures"]["count"] == 0:
+    # Every hit the unlimited count promises arrives unless a loss was counted: "warm"
+    # evicting a block between lookup and promotion (a tier failure), or, on a loaded
+    # machine, a tier behind its back-pressure share answering its hits as misses
+    # (promotion_no_room).
+    lost = report["tier_failures"]["count"] + sum(report["failures"].values())
+    if lost == 0:
         assert hit["total"] == pytest.approx(hit["unlimited"], abs=0.001)
-    else:  # "warm" evicted a block between lookup and promotion: that request missed it
+    else:
         assert hit["total"] <= hit["unlimited"] + 1e-9
 
 
