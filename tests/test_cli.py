@@ -698,11 +698,14 @@ def test_auth_mac_works_through_the_cli_and_the_spec(
         "cpu_bytes_to_use: 1MiB\n"
         "secondary_tiers:\n"
         f"  - {{type: fs, root_dir: {tmp_path / 'a'}, auth_key_env: KVT_CLI_AUTH_KEY,"
-        " auth_mac: hmac-sha256}\n"
+        " auth_mac: hmac-sha256, capacity_bytes: 16MiB}\n"
     )
     assert main(["replay", *SMALL, "--config", str(config)]) == 0
     assert "verified byte for byte" in capsys.readouterr().out
-    tier = f"fs:root_dir={tmp_path / 'b'},auth_key_env=KVT_CLI_AUTH_KEY,auth_mac=blake3"
+    tier = (
+        f"fs:root_dir={tmp_path / 'b'},auth_key_env=KVT_CLI_AUTH_KEY,auth_mac=blake3,"
+        "capacity_bytes=16MiB"
+    )
     assert main(["replay", *SMALL, "--cpu-bytes", "1MiB", "--tier", tier]) == 0
     assert "verified byte for byte" in capsys.readouterr().out
     bad = f"fs:root_dir={tmp_path / 'c'},auth_key_env=KVT_CLI_AUTH_KEY,auth_mac=md5"
@@ -714,6 +717,7 @@ def test_auth_mac_works_through_the_cli_and_the_spec(
             "root_dir": str(tmp_path / mac),
             "auth_key_env": "KVT_CLI_AUTH_KEY",
             "auth_mac": mac,
+            "capacity_bytes": 1 << 20,
         }
         manager = build_manager(
             {"cpu_bytes_to_use": 8 * 4096, "secondary_tiers": [entry]}, block_bytes=4096

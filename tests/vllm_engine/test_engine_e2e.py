@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -65,8 +66,18 @@ OUR_TIER_LABEL = "1:"  # vLLM labels secondary tier metrics "<index>:<type>"
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine")
+def workdir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Path]:
+    """The engines' shared directory: removed when every test of the module passed.
+
+    It holds the model and each run's fs roots (1 GiB slabs each), several GiB in all.
+    """
+    path = tmp_path_factory.mktemp("engine")
+    failed_before = request.session.testsfailed
+    yield path
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
