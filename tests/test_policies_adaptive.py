@@ -3,6 +3,7 @@ request context (one use per request), and where it stands against LRU and ARC."
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -196,13 +197,18 @@ def test_request_aware_defaults_fall_back_to_key_calls() -> None:
 
 
 def test_decode_touches_do_not_move_a_request_aware_policy() -> None:
-    """Touching a request's blocks once per decoded block counts as one use for adaptive
-    (the same hits with or without those touches); a key-only frequency policy moves."""
-    requests = family_requests("builtin", 400, 0)
+    """Touching a request's blocks once per decoded block counts as one use for adaptive:
+    one decode pass or many give the same hits (the repeated touches only keep the
+    request's blocks most recently used, head last); a key-only frequency policy counts
+    the decode touches as uses."""
+    requests = [
+        dataclasses.replace(r, output_length=8 * 512) for r in family_requests("builtin", 400, 0)
+    ]
+    one_pass = [dataclasses.replace(r, output_length=1) for r in requests]
     capacity = max(1, trace_footprint(requests) // 50)
-    plain = simulate_policy(requests, capacity, "adaptive")
-    touched = simulate_policy(requests, capacity, "adaptive", decode_touches=True)
-    assert touched == plain
+    many = simulate_policy(requests, capacity, "adaptive", decode_touches=True)
+    once = simulate_policy(one_pass, capacity, "adaptive", decode_touches=True)
+    assert many == once
     assert simulate_policy(requests, capacity, "kvaware", decode_touches=True) != (
         simulate_policy(requests, capacity, "kvaware")
     )
@@ -229,4 +235,28 @@ def test_capacity_one_stores_and_evicts() -> None:
     for key in range(5):
         _store(policy, key)
         assert list(policy) == [key]
+    policy.check_invariants()
+
+
+@pytest.mark.parametrize("follow", ["lru", "reuse"])
+@pytest.mark.parametrize("expert", ["arc", "kvaware"])
+def test_a_request_touching_again_protects_the_block_like_lru(follow: str, expert: str) -> None:
+    """A block a request looked up again (touched before its read) is the most recently used,
+    as under LRU: the next evictions take the blocks stored since, not it. The repeated touch
+    is not a second use (the reuse expert keeps the block among those seen once)."""
+    policy: AdaptivePolicy[int] = AdaptivePolicy(4, expert=expert, start=follow)
+    lru: LRUPolicy[int] = LRUPolicy(4)
+    for each in (policy, lru):
+        insert_with(each, 0, RequestContext("r1"))  # r1 stores block 0
+        for key in (1, 2, 3):  # other requests store after it
+            insert_with(each, key, RequestContext(f"s{key}"))
+        access_with(each, 0, RequestContext("r1"))  # r1 looks block 0 up again
+        assert each.evict(3, all_keys) == [1, 2, 3]
+        assert list(each) == [0]
+    assert policy.following == follow
+    assert 0 in policy._reuse
+    if expert == "arc":
+        assert policy._reuse.list_of(0) == "T1"  # type: ignore[union-attr]
+    else:
+        assert not policy._reuse.is_protected(0)  # type: ignore[union-attr]
     policy.check_invariants()

@@ -30,7 +30,9 @@ the one that is doing better choose the victims:
   request's blocks last block first, so a prefix's tail goes before its head.
 * **one use per request** (:class:`~tiering.policies.request.RequestAwarePolicy`):
   repeated touches of a block by the same request count once (vLLM touches a request's
-  blocks per decoded block); key-only ``access`` counts each call.
+  blocks per decoded block); key-only ``access`` counts each call. A repeated touch still
+  makes the block the most recently used in both experts (without promoting it), as LRU
+  does: a block a request looked up again is never the next victim before its read.
 
 Invariants: the LRU order and the reuse expert hold the same keys, at most
 ``capacity``; the expert's and the shadows' own invariants hold; request marks only
@@ -203,10 +205,19 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
                 self._sampled(key)
 
     def access_in(self, key: K, context: RequestContext) -> None:
+        lru = self._lru
+        if key not in lru:
+            return
         last = self._last_request
-        if key in self._lru and last.get(key, _MISSING) != context.request_id:
+        if last.get(key, _MISSING) != context.request_id:
             last[key] = context.request_id
             self._access(key)
+        else:
+            # The same request again (a lookup before its read, a decode step): not a
+            # second use, but the block is the most recently used, as under LRU, so that
+            # evictions before the read take what was stored since, never this block.
+            lru.move_to_end(key)
+            self._reuse.refresh(key)
 
     def remove(self, key: K) -> None:
         if self._lru.pop(key, _MISSING) is not _MISSING:

@@ -128,6 +128,18 @@ class ARCPolicy(EvictionPolicy[K]):
             del self._t1[key]
             t2[key] = None
 
+    def refresh(self, key: K) -> None:
+        """Make resident ``key`` the most recent of its list without counting a use.
+
+        For an owner that sees the same use twice (a request touching its blocks
+        again): the key is as safe from eviction as a just-used one, but a key seen
+        once stays in ``T1``. Ignored when ``key`` is not resident.
+        """
+        if key in self._t2:
+            self._t2.move_to_end(key)
+        elif key in self._t1:
+            self._t1.move_to_end(key)
+
     def remove(self, key: K) -> None:
         if self._t1.pop(key, _MISSING) is _MISSING:
             self._t2.pop(key, None)

@@ -148,6 +148,14 @@ class KVAwarePolicy(EvictionPolicy[K]):
         elif self._probation.pop(key, _MISSING) is not _MISSING:
             protected[key] = None  # a second use
 
+    def refresh(self, key: K) -> None:
+        """Make resident ``key`` the most recent of its list without counting a use
+        (a key on probation stays there). Ignored when ``key`` is not resident."""
+        if key in self._protected:
+            self._protected.move_to_end(key)
+        elif key in self._probation:
+            self._probation.move_to_end(key)
+
     def remove(self, key: K) -> None:
         if self._probation.pop(key, _MISSING) is _MISSING:
             self._protected.pop(key, None)
