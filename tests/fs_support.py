@@ -171,8 +171,9 @@ class FaultyFsTier(FileSystemTier):
     rule: FaultRule = staticmethod(lambda op: None)
     backend: FaultyBackend | None = None
 
-    def _make_backend(self, loop: asyncio.AbstractEventLoop) -> IoBackend:
-        self.backend = FaultyBackend(super()._make_backend(loop), lambda op: self.rule(op))
+    def _make_backend(self, loop: asyncio.AbstractEventLoop, *, direct_io: bool) -> IoBackend:
+        inner = super()._make_backend(loop, direct_io=direct_io)
+        self.backend = FaultyBackend(inner, lambda op: self.rule(op))
         return self.backend
 
 

@@ -413,6 +413,10 @@ def test_a_misspelled_or_missing_tier_option_fails_at_construction(no_new_thread
     with pytest.raises(ConfigError, match=r"secondary_tiers\[2\].*unknown option 'capacity_blok'"):
         TieringOffloadingSpec({**BASE, "secondary_tiers": tiers}, block_bytes=4096)
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*missing required option"):
+        TieringOffloadingSpec(
+            {**BASE, "secondary_tiers": [{"type": "directory"}]}, block_bytes=4096
+        )
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*root_dir \(or root_dirs"):
         TieringOffloadingSpec({**BASE, "secondary_tiers": [{"type": "fs"}]}, block_bytes=4096)
     # The runtime's own keys are values the framework knows: checked here too.
     bad_timeout = [{"type": "memory"}, {"type": "memory", "job_timeout_s": -1}]

@@ -549,3 +549,17 @@ def test_auth_mac_reaches_our_fs_tier_through_vllms_factory(
     bad = {**entry, "auth_mac": "md5", "root_dir": str(tmp_path / "bad")}
     with pytest.raises(ConfigError, match="auth_mac must be one of 'blake3', 'hmac-sha256'"):
         make_manager([bad])
+
+
+def test_root_dirs_stripe_our_fs_tier_through_vllms_factory(
+    make_manager: Any, tmp_path: Any
+) -> None:
+    roots = [str(tmp_path / "d0"), str(tmp_path / "d1")]
+    entry = ours("KVTieringFileSystemTier", root_dirs=roots, capacity_bytes="4MiB")
+    manager, driver = make_manager([entry])
+    tier = tier_of(manager).runtime.tier  # type: ignore[attr-defined]
+    assert tuple(map(str, tier.config.root_dirs)) == tuple(roots)
+    keys = chained_keys("striped", 16)
+    round_trip(driver, keys)
+    held = {root.path: len(root.state.index) for root in tier._roots.in_service()}
+    assert set(held) == set(roots) and sum(held.values()) == 16 and min(held.values()) > 0

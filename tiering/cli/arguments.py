@@ -68,7 +68,8 @@ def parse_tier_spec(text: str) -> dict[str, Any]:
     Either a JSON object (``'{"type": "memory", "capacity_bytes": 1048576}'``) or
     ``TYPE[:KEY=VALUE,...]`` (``fs:root_dir=/mnt/kv,capacity_bytes=8GiB``), where
     each value is read as JSON when it parses (numbers, true/false) and as a string
-    otherwise.
+    otherwise; a value in brackets is a list (``root_dirs=[/mnt/a,/mnt/b]``), its
+    items read the same way.
     """
     text = text.strip()
     if text.startswith("{"):
@@ -91,18 +92,46 @@ def parse_tier_spec(text: str) -> dict[str, Any]:
     if not tier_type:
         raise UsageError(f"--tier {text!r}: expected TYPE[:KEY=VALUE,...] or a JSON object")
     entry = {"type": tier_type}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    for item in filter(None, (part.strip() for part in _split_items(text, rest))):
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--tier {text!r}: {item!r} is not KEY=VALUE")
-        try:
-            value: Any = loads_json(raw)
-        except NumberTooLongError as exc:
-            raise UsageError(f"--tier {tier_type}: {key.strip()}: {exc}") from None
-        except json.JSONDecodeError:
-            value = raw
-        entry[key.strip()] = value
+        raw = raw.strip()
+        if raw.startswith("[") and raw.endswith("]"):
+            parts = filter(None, (part.strip() for part in raw[1:-1].split(",")))
+            entry[key.strip()] = [_tier_value(tier_type, key, part) for part in parts]
+        else:
+            entry[key.strip()] = _tier_value(tier_type, key, raw)
     return entry
+
+
+def _tier_value(tier_type: str, key: str, raw: str) -> Any:
+    """A ``--tier`` value: JSON when it parses (numbers, true/false), else the string."""
+    try:
+        return loads_json(raw)
+    except NumberTooLongError as exc:
+        raise UsageError(f"--tier {tier_type}: {key.strip()}: {exc}") from None
+    except json.JSONDecodeError:
+        return raw
+
+
+def _split_items(text: str, rest: str) -> list[str]:
+    """``rest`` split at the commas outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(rest):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise UsageError(f"--tier {text!r}: ']' without its '['")
+        elif char == "," and depth == 0:
+            items.append(rest[start:i])
+            start = i + 1
+    if depth:
+        raise UsageError(f"--tier {text!r}: '[' without its ']'")
+    items.append(rest[start:])
+    return items
 
 
 def check_writable(path: Path, what: str) -> None:

@@ -52,9 +52,13 @@ def _replay_config(
     tiers = extra.get("secondary_tiers")
     if isinstance(tiers, list):
         for position, entry in enumerate(tiers):
-            if isinstance(entry, dict) and entry.get("type") == "fs" and "root_dir" not in entry:
+            if isinstance(entry, dict) and entry.get("type") == "fs" and not _has_root(entry):
                 entry["root_dir"] = str(temp.path / ("fs" if position == 0 else f"fs{position}"))
     return extra
+
+
+def _has_root(entry: dict[str, Any]) -> bool:
+    return "root_dir" in entry or "root_dirs" in entry
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -114,6 +114,10 @@ class FsTierConfig:
     the index journal and header are small and not counted. With
     ``capacity_blocks`` set instead, the capacity is that many slots, turned
     into bytes (and checked against the disk) when the block size is known.
+
+    A striped tier (``root_dirs``) has one such capacity per root:
+    ``root_dirs``/``root_capacities`` list them, :meth:`for_root` gives one
+    root's config, and ``root_dir``/``capacity_bytes`` are the first root's.
     """
 
     root_dir: Path
@@ -137,9 +141,36 @@ class FsTierConfig:
         given: object = self.policy  # None unless a resolved choice was passed
         if given is None:
             object.__setattr__(self, "policy", resolve_policy(self.eviction_policy))
+        if not self.root_dirs:  # built directly with one root_dir
+            object.__setattr__(self, "root_dirs", (self.root_dir,))
+            object.__setattr__(self, "root_capacities", (self.capacity_bytes,))
 
     #: The MAC of ``auth_key_file`` / ``auth_key_env`` (None: blocks are checksummed only).
     authenticator: BlockAuthenticator | None = field(default=None, repr=False, compare=False)
+    #: Every root (``root_dirs``, or ``root_dir`` alone) and the capacity in bytes of each.
+    root_dirs: tuple[Path, ...] = ()
+    root_capacities: tuple[int, ...] = ()
+
+    @property
+    def striped(self) -> bool:
+        """Whether the tier spreads its blocks over several roots."""
+        return len(self.root_dirs) > 1
+
+    @property
+    def root_set(self) -> tuple[str, ...]:
+        """What each root's header records: every root, sorted (empty for one root)."""
+        return tuple(sorted(str(r) for r in self.root_dirs)) if self.striped else ()
+
+    def for_root(self, index: int) -> FsTierConfig:
+        """The config of root ``index`` alone."""
+        root, capacity = self.root_dirs[index], self.root_capacities[index]
+        return replace(
+            self,
+            root_dir=root,
+            capacity_bytes=capacity,
+            root_dirs=(root,),
+            root_capacities=(capacity,),
+        )
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> FsTierConfig:
@@ -149,13 +180,14 @@ class FsTierConfig:
         defaults; this checks their values, creates ``root_dir`` when allowed
         and reads the authentication key. Raises ConfigError naming the key.
         """
-        root_dir = options["root_dir"]
         capacity_bytes = options["capacity_bytes"]
         capacity_blocks = options["capacity_blocks"]
         sync_interval_s = options["sync_interval_s"]
         eviction_policy = options["eviction_policy"]
         preallocate = options["preallocate"]
-        root = _check_root_dir(root_dir, options["create_root_dir"])
+        roots = _check_root_dirs(
+            options["root_dir"], options["root_dirs"], options["create_root_dir"]
+        )
         n_read = _positive_int("n_read_threads", options["n_read_threads"], 256)
         n_write = _positive_int("n_write_threads", options["n_write_threads"], 256)
         backend = _choice("io_backend", options["io_backend"], IO_BACKENDS)
@@ -186,13 +218,15 @@ class FsTierConfig:
             if capacity_bytes is not None:
                 raise ConfigError("fs tier: give capacity_bytes or capacity_blocks, not both")
             blocks = _positive_int("capacity_blocks", capacity_blocks)
-            capacity = 0  # known at open, once the block size is
+            capacities = (0,) * len(roots)  # known at open, once the block size is
         else:
             blocks = None
-            capacity = _check_capacity(root, capacity_bytes)
+            capacities = tuple(_check_capacity(root, capacity_bytes) for root in roots)
         return cls(
-            root_dir=root,
-            capacity_bytes=capacity,
+            root_dir=roots[0],
+            capacity_bytes=capacities[0],
+            root_dirs=roots,
+            root_capacities=capacities,
             capacity_blocks=blocks,
             n_read_threads=n_read,
             n_write_threads=n_write,
@@ -209,6 +243,38 @@ class FsTierConfig:
             preallocate=preallocate,
             authenticator=authenticator_from_options(options, "fs tier: "),
         )
+
+
+#: More roots than drives a server carries is a config mistake, not a layout.
+MAX_ROOT_DIRS = 64
+
+
+def _check_root_dirs(root_dir: object, root_dirs: object, create: bool) -> tuple[Path, ...]:
+    """Every root of the tier: ``root_dir`` alone, or each of ``root_dirs``, checked."""
+    if root_dir is not None and root_dirs is not None:
+        raise ConfigError("fs tier: give root_dir or root_dirs, not both")
+    if root_dirs is None:
+        if root_dir is None:
+            raise ConfigError("fs tier: root_dir (or root_dirs, a list of directories) is required")
+        return (_check_root_dir(root_dir, create),)
+    if not isinstance(root_dirs, (list, tuple)) or not root_dirs:
+        raise ConfigError(
+            f"fs tier: root_dirs must be a non-empty list of directories, got {root_dirs!r}"
+        )
+    if len(root_dirs) > MAX_ROOT_DIRS:
+        raise ConfigError(
+            f"fs tier: root_dirs lists {len(root_dirs)} directories; at most {MAX_ROOT_DIRS}"
+        )
+    roots = tuple(_check_root_dir(r, create) for r in root_dirs)
+    seen: dict[tuple[int, int], Path] = {}
+    for root in roots:
+        st = root.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), root)
+        if first is not root:
+            raise ConfigError(
+                f"fs tier: root_dirs lists one directory twice ({str(first)!r} and {str(root)!r})"
+            )
+    return roots
 
 
 def _check_root_dir(root_dir: object, create: bool) -> Path:

@@ -2,7 +2,8 @@
 
 A root directory holds::
 
-    header.json          self-describing header (format, block size, fingerprint, cache id)
+    header.json          self-describing header (format, block size, fingerprint, cache id,
+                         and the set of roots of a striped tier)
     index.journal        the index: an append-only log of PUT/DEL records (see journal.py)
     slab-000000.bin ...  preallocated slab files of fixed-size slots, one block per slot
     lock                 flock()ed by the process that has the tier open
@@ -116,15 +117,21 @@ class Header:
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
     checksum: str = CHECKSUM_ALGORITHM
+    #: Every root of the tier this root belongs to (``root_dirs``), empty for a tier of
+    #: one root. Not part of the layout: a changed set costs only the roots that left.
+    root_set: tuple[str, ...] = ()
 
     @classmethod
-    def new(cls, geometry: Geometry, layout_fingerprint: str) -> Header:
+    def new(
+        cls, geometry: Geometry, layout_fingerprint: str, root_set: tuple[str, ...] = ()
+    ) -> Header:
         return cls(
             block_bytes=geometry.block_bytes,
             slot_bytes=geometry.slot_bytes,
             slots_per_slab=geometry.slots_per_slab,
             layout_fingerprint=layout_fingerprint,
             cache_id=uuid.uuid4().hex,
+            root_set=root_set,
         )
 
     def mismatch(self, block_bytes: int, layout_fingerprint: str) -> str | None:
@@ -152,19 +159,19 @@ class Header:
         return int(self.cache_id[:16], 16)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": self.format,
-                "format_version": self.format_version,
-                "checksum": self.checksum,
-                "block_bytes": self.block_bytes,
-                "slot_bytes": self.slot_bytes,
-                "slots_per_slab": self.slots_per_slab,
-                "layout_fingerprint": self.layout_fingerprint,
-                "cache_id": self.cache_id,
-            },
-            indent=1,
-        )
+        fields: dict[str, Any] = {
+            "format": self.format,
+            "format_version": self.format_version,
+            "checksum": self.checksum,
+            "block_bytes": self.block_bytes,
+            "slot_bytes": self.slot_bytes,
+            "slots_per_slab": self.slots_per_slab,
+            "layout_fingerprint": self.layout_fingerprint,
+            "cache_id": self.cache_id,
+        }
+        if self.root_set:  # a tier of one root writes the header earlier releases wrote
+            fields["root_set"] = list(self.root_set)
+        return json.dumps(fields, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Header:
@@ -185,12 +192,19 @@ class Header:
                 slots_per_slab=int(raw["slots_per_slab"]),
                 layout_fingerprint=str(raw["layout_fingerprint"]),
                 cache_id=str(raw["cache_id"]),
+                root_set=_root_set(raw.get("root_set", [])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"header field missing or malformed: {exc}") from exc
         if len(header.cache_id) != 32 or any(c not in "0123456789abcdef" for c in header.cache_id):
             raise ValueError(f"header cache_id {header.cache_id!r} is malformed")
         return header
+
+
+def _root_set(raw: object) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(r, str) for r in raw):
+        raise ValueError(f"root_set {raw!r} is not a list of paths")
+    return tuple(raw)
 
 
 #: A header is a few hundred bytes; anything much larger is not one of ours.

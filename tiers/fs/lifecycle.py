@@ -4,13 +4,15 @@
 layout to open; :func:`start_open_state` assembles an :class:`OpenState`
 from the root that :func:`~tiers.fs.opening.prepare_root` opened (index,
 journal writer, deletion watch) and starts its background tasks;
-:func:`stop_open_state` stops them, syncs and closes everything in order.
+:func:`stop_open_state` stops them, syncs and closes everything in order;
+:func:`record_open` counts and logs what the roots that opened hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -27,6 +29,8 @@ from tiers.fs.layout import ALIGNMENT, Geometry, round_up
 from tiers.fs.opening import Prepared
 from tiers.fs.state import FsTierStats, OpenState
 from tiers.fs.upkeep import periodic_sync, sync_data, verify_recovered
+
+logger = logging.getLogger(__name__)
 
 
 def plan_geometry(cfg: FsTierConfig, block_bytes: int) -> Geometry:
@@ -147,3 +151,34 @@ async def stop_open_state(state: OpenState, durable: bool) -> None:
         finally:
             state.bounce.close()
             state.prepared.close()
+
+
+def record_open(stats: FsTierStats, cfg: FsTierConfig, name: str, opened: list[Prepared]) -> None:
+    """Count what the roots that opened hold, and log each (and a changed set of roots)."""
+    stats.recovered_blocks = sum(len(p.entries) for p in opened)
+    stats.dropped_on_recovery = sum(p.dropped for p in opened)
+    stats.notes = [note for p in opened for note in p.notes]
+    stats.direct_io = all(p.slabs.direct for p in opened)
+    stats.capacity_slots = sum(p.geometry.capacity_slots for p in opened)
+    changed = [p.previous_root_set for p in opened if p.previous_root_set is not None]
+    if changed:
+        before = set(changed[0])
+        now = set(cfg.root_set) or {str(cfg.root_dir)}
+        note = (
+            f"root_dirs changed: {len(before - now)} left {sorted(before - now)}, "
+            f"{len(now - before)} joined {sorted(now - before)}; the roots that stay keep "
+            "their blocks"
+        )
+        stats.notes.append(note)
+        logger.warning("fs tier %s: %s", name, note)
+    for prepared in opened:
+        logger.info(
+            "fs tier %s: %s, %d slots of %d bytes, %d blocks recovered, backend=%s, direct_io=%s",
+            name,
+            prepared.root.path,
+            prepared.geometry.capacity_slots,
+            prepared.geometry.slot_bytes,
+            len(prepared.entries),
+            stats.io_backend,
+            prepared.slabs.direct,
+        )

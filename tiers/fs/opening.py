@@ -61,6 +61,9 @@ class Prepared:
     #: Records were lost to damage (not just a torn tail), so a recovered entry may be
     #: stale (its DEL, and the record of its slot's reuse, were lost): read them all once.
     verify_recovered: bool = False
+    #: The roots the header named before this open (``root_set`` of the header found;
+    #: the root alone for a tier of one root), when they differ from this tier's.
+    previous_root_set: tuple[str, ...] | None = None
 
     def close(self) -> None:
         self.slabs.close()
@@ -70,16 +73,38 @@ class Prepared:
         self.root.close()
 
 
-def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Prepared:
+def prepare_root(
+    cfg: FsTierConfig,
+    geometry: Geometry,
+    fingerprint: str,
+    root_set: tuple[str, ...] = (),
+    *,
+    forget_blocks: bool = False,
+    must_exist: bool = False,
+) -> Prepared:
+    """Open ``cfg.root_dir`` for a tier whose roots are ``root_set`` (empty: this one alone).
+
+    A header naming another set of roots is rewritten to name this one (its
+    blocks stay). ``forget_blocks`` opens the root empty: a root coming back
+    into service after its blocks were reported removed. ``must_exist``
+    refuses (ConfigError) a root without a cache of this layout instead of
+    creating one: a bare directory may be the mount point of a missing drive.
+    """
     root = RootDir.open(cfg.root_dir)
     notes: list[str] = []
     lock_fd = -1
     slabs: SlabFiles | None = None
     try:
+        if must_exist:  # before the lock file is created: a bare directory stays bare
+            _check_cache_is_there(root, geometry, fingerprint)
         lock_fd = _lock_root(root)
-        header = _checked_header(cfg, root, geometry, fingerprint, notes)
+        header = _checked_header(cfg, root, geometry, fingerprint, notes, root_set)
+        previous = _record_root_set(root, header, root_set)
+        header = replace(header, root_set=root_set)
         geometry = replace(geometry, slots_per_slab=header.slots_per_slab)
         result, problems, appendable = recover(root, header)
+        if forget_blocks:
+            result.entries.clear()
         for problem in problems:
             notes.append(f"journal: {problem}")
             logger.warning("fs tier: %s: journal: %s", cfg.root_dir, problem)
@@ -93,6 +118,8 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
             notes.append(
                 f"{dropped} blocks beyond the capacity or in missing slab files were dropped"
             )
+        # A root that forgets its blocks must not keep a journal that names them.
+        appendable = appendable and not forget_blocks
         journal_fd, size = _rewrite_journal(root, header, entries, appendable, notes)
     except BaseException:
         if slabs is not None:
@@ -113,7 +140,25 @@ def prepare_root(cfg: FsTierConfig, geometry: Geometry, fingerprint: str) -> Pre
         dropped,
         notes,
         verify_recovered=bool(entries) and (result.damaged_bytes > 0 or not result.tail_torn),
+        previous_root_set=previous,
     )
+
+
+def _check_cache_is_there(root: RootDir, geometry: Geometry, fingerprint: str) -> None:
+    header = read_header(root)
+    reason = "no header" if header is None else header.mismatch(geometry.block_bytes, fingerprint)
+    if reason is not None:
+        raise ConfigError(f"fs tier: root_dir {str(root.path)!r} holds no cache of ours: {reason}")
+
+
+def _record_root_set(
+    root: RootDir, header: Header, root_set: tuple[str, ...]
+) -> tuple[str, ...] | None:
+    """Write ``root_set`` into the header if it names another set; the set it named, or None."""
+    if header.root_set == root_set:
+        return None
+    write_header(root, replace(header, root_set=root_set))
+    return header.root_set or (str(root.path),)
 
 
 def _rewrite_journal(
@@ -169,7 +214,12 @@ def _lock_root(root: RootDir) -> int:
 
 
 def _checked_header(
-    cfg: FsTierConfig, root: RootDir, geometry: Geometry, fingerprint: str, notes: list[str]
+    cfg: FsTierConfig,
+    root: RootDir,
+    geometry: Geometry,
+    fingerprint: str,
+    notes: list[str],
+    root_set: tuple[str, ...],
 ) -> Header:
     """The root's header if it describes this layout; otherwise reset (or refuse).
 
@@ -203,7 +253,7 @@ def _checked_header(
         logger.warning("fs tier: %s: %s; resetting the cache", root.path, reason)
     for name in leftovers:  # the header goes first, so an interrupted reset resets again
         root.unlink(name)
-    header = Header.new(geometry, fingerprint)
+    header = Header.new(geometry, fingerprint, root_set)
     try:
         write_header(root, header)
         write_snapshot(root, header, [])

@@ -53,6 +53,16 @@ class FsTierStats:
     direct_io: bool = False
     capacity_slots: int = 0
     notes: list[str] = field(default_factory=list)
+    #: Roots of the tier (``root_dirs``), those out of service now, how many times one
+    #: was taken out, and how many times one came back (docs/fs-tier.md, "Several drives").
+    roots: int = 1
+    roots_out_of_service: int = 0
+    root_failures: int = 0
+    root_returns: int = 0
+
+    def count_deletion(self) -> None:
+        """One more deletion of the tier's files noticed under it."""
+        self.deletions_noticed += 1
 
 
 class Block:

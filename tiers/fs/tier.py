@@ -13,11 +13,17 @@ once that record is durable. A read verifies the checksum of every block; a
 mismatch, short read or I/O error fails the read and drops the entry. After
 a restart, even after ``kill -9`` in the middle of writes, the journal gives
 back every block whose write completed (see docs/fs-tier.md).
+
+With ``root_dirs`` the tier stripes its blocks over several directories (one
+per drive), each opened as a tier of one root is; :mod:`tiers.fs.roots` says
+where each block goes and what happens when a drive fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,11 +33,14 @@ from tiering.core.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
 from tiers.fs.config import DEFAULT_MAX_IO_BYTES, DEFAULT_SLAB_BYTES, FsTierConfig
 from tiers.fs.io import IoBackend, make_backend
-from tiers.fs.lifecycle import plan_geometry, start_open_state, stop_open_state
+from tiers.fs.layout import Geometry
+from tiers.fs.lifecycle import plan_geometry, record_open, start_open_state, stop_open_state
 from tiers.fs.opening import Prepared, close_prepared_when_done, prepare_root
 from tiers.fs.reads import read_blocks
 from tiers.fs.records import encode_del
+from tiers.fs.roots import CHECK_INTERVAL_S, PROBE_INTERVAL_S, Root, RootSet
 from tiers.fs.state import FsTierStats, OpenState, notify_room
+from tiers.fs.striping import read_striped, write_striped
 from tiers.fs.writes import write_blocks
 
 # FsTierStats is defined in tiers.fs.state and importable from here as before.
@@ -56,7 +65,8 @@ class FileSystemTier(AsyncTier):
     def __init__(
         self,
         *,
-        root_dir: str | os.PathLike[str],
+        root_dir: str | os.PathLike[str] | None = None,
+        root_dirs: Sequence[str | os.PathLike[str]] | None = None,
         capacity_bytes: int | str | None = None,
         capacity_blocks: int | None = None,
         n_read_threads: int = 8,
@@ -81,19 +91,28 @@ class FileSystemTier(AsyncTier):
         options = dict(locals())
         del options["self"]
         self.config = FsTierConfig.from_options(options)
-        self.check_options({"io_backend": self.config.io_backend})
+        self.check_options({"root_dir": self.config.root_dir, "io_backend": self.config.io_backend})
         # Blocks the framework may hand over at once. Queued blocks cost nothing here (the
         # backend keeps ``queue_depth`` ops in the kernel), and whole jobs in one call
         # coalesce into large vectored I/Os, so take a whole job or several.
         self.max_concurrency = MAX_BLOCKS_PER_CALL
         self.stats = FsTierStats()
-        self._open_state: OpenState | None = None
+        self._roots = RootSet(
+            self.config,
+            name=lambda: self.context.name,
+            stats=self.stats,
+            report_removed=self.report_removed,
+        )
+        self._open_state: OpenState | None = None  # a tier of one root: its state
         self._closed = False
-        self._direct_io = False
+        self._watching: asyncio.Task[None] | None = None
+        self._is_open = False
 
     @classmethod
     def check_options(cls, options: Mapping[str, object]) -> None:
-        """``io_backend: "uring"`` where io_uring failed its probe is a ConfigError now."""
+        """No root, or ``io_backend: "uring"`` where io_uring failed its probe: ConfigError now."""
+        if options.get("root_dir") is None and options.get("root_dirs") is None:
+            raise ConfigError("fs tier: root_dir (or root_dirs, a list of directories) is required")
         if options.get("io_backend") == "uring":
             from tiers.fs.io import uring_unavailable_reason
 
@@ -104,67 +123,133 @@ class FileSystemTier(AsyncTier):
     # -- lifecycle ----------------------------------------------------------------------
 
     async def open(self, context: TierContext) -> None:
-        """Lock ``root_dir``, check its header, replay the journal, open the slab files.
+        """Lock each root, check its header, replay its journal, open its slab files.
 
         A cache written for another block size or layout fingerprint is reset
-        (or refused, with ``on_layout_mismatch="error"``). Cancellation: what
-        was opened is closed again before the cancellation propagates.
+        (or refused, with ``on_layout_mismatch="error"``). A root of a striped
+        tier that fails with an I/O error starts out of service (the others
+        serve); any other failure, or every root failing, fails the open.
+        Cancellation: what was opened is closed again before the cancellation
+        propagates.
         """
-        if self._open_state is not None or self._closed:
+        if self._open_state is not None or self._closed or self._roots.in_service():
             raise RuntimeError("FileSystemTier.open may be called only once")
         await super().open(context)
         cfg = self.config
-        geometry = plan_geometry(cfg, context.block_bytes)
-        job = asyncio.ensure_future(
-            asyncio.to_thread(prepare_root, cfg, geometry, context.layout_fingerprint)
+        roots = self._roots.roots
+        geometries = [plan_geometry(root.config, context.block_bytes) for root in roots]
+        results = await asyncio.gather(
+            *(self._prepare(r.config, g) for r, g in zip(roots, geometries, strict=True)),
+            return_exceptions=True,
         )
+        opened = [(r, p) for r, p in zip(roots, results, strict=True) if isinstance(p, Prepared)]
+        failed = [
+            (r, e) for r, e in zip(roots, results, strict=True) if isinstance(e, BaseException)
+        ]
+        fatal = [e for _, e in failed if not (cfg.striped and isinstance(e, OSError))]
+        if fatal or not opened:
+            for _, prepared in opened:
+                prepared.close()
+            raise (fatal or [e for _, e in failed])[0]
+        for root, geometry in zip(roots, geometries, strict=True):
+            root.weight = float(geometry.capacity_slots)
         try:
-            prepared = await asyncio.shield(job)
+            for root, prepared in opened:
+                root.state = self._start(root, prepared)
+        except BaseException:
+            for root, prepared in opened:
+                if root.state is None:
+                    prepared.close()
+            await self._stop_all()
+            raise
+        for root, error in failed:
+            self._roots.start_out(root, error)
+        self._open_state = roots[0].state if not cfg.striped else None
+        self.stats.io_backend = opened[0][0].state.backend.name  # type: ignore[union-attr]
+        record_open(self.stats, cfg, self.context.name, [p for _, p in opened])
+        self._is_open = True
+        if cfg.striped:
+            self._watching = asyncio.get_running_loop().create_task(
+                self._watch_roots(), name=f"fs-tier-roots-{id(self)}"
+            )
+
+    async def _prepare(self, config: FsTierConfig, geometry: Geometry, **options: bool) -> Prepared:
+        """:func:`prepare_root` in a worker thread; what it opened is closed if cancelled."""
+        root_set, fingerprint = self.config.root_set, self.context.layout_fingerprint
+        prepare = functools.partial(
+            prepare_root, config, geometry, fingerprint, root_set, **options
+        )
+        job = asyncio.ensure_future(asyncio.to_thread(prepare))
+        try:
+            return await asyncio.shield(job)
         except asyncio.CancelledError:
             job.add_done_callback(close_prepared_when_done)
             raise
-        try:
-            self._open_state = self._start(prepared)
-        except BaseException:
-            prepared.close()
-            raise
-        stats = self.stats
-        stats.recovered_blocks = len(prepared.entries)
-        stats.dropped_on_recovery = prepared.dropped
-        stats.notes = prepared.notes
-        stats.io_backend = self._open_state.backend.name
-        stats.direct_io = prepared.slabs.direct
-        stats.capacity_slots = prepared.geometry.capacity_slots
-        logger.info(
-            "fs tier %s: %s, %d slots of %d bytes, %d blocks recovered, backend=%s, direct_io=%s",
-            context.name,
-            cfg.root_dir,
-            prepared.geometry.capacity_slots,
-            prepared.geometry.slot_bytes,
-            len(prepared.entries),
-            stats.io_backend,
-            stats.direct_io,
-        )
 
-    def _start(self, prepared: Prepared) -> OpenState:
-        self._direct_io = prepared.slabs.direct
+    def _start(self, root: Root, prepared: Prepared) -> OpenState:
+        direct = prepared.slabs.direct
         return start_open_state(
             prepared,
-            self.config,
+            root.config,
             name=self.context.name,
             fingerprint=self.context.layout_fingerprint,
             stats=self.stats,
-            make_backend=self._make_backend,
+            make_backend=lambda loop: self._make_backend(loop, direct_io=direct),
             report_removed=self.report_removed,
-            on_deletion_noticed=self._count_deletion,
-            task_tag=id(self),
+            on_deletion_noticed=self.stats.count_deletion,
+            task_tag=id(self) + root.index,
         )
 
-    def _count_deletion(self) -> None:
-        self.stats.deletions_noticed += 1
+    async def _watch_roots(self) -> None:
+        """Check the roots every CHECK_INTERVAL_S and probe those out of service.
 
-    def _make_backend(self, loop: asyncio.AbstractEventLoop) -> IoBackend:
-        """The I/O backend the config asks for (tests override this to inject faults)."""
+        Cancellation (the tier closing): stops at once; a probe's open in its
+        thread is closed again when it ends.
+        """
+        ticks = round(PROBE_INTERVAL_S / CHECK_INTERVAL_S)
+        tick = 0
+        while True:
+            await asyncio.sleep(CHECK_INTERVAL_S)
+            tick += 1
+            await self.check_roots(probe=tick % ticks == 0)
+
+    async def check_roots(self, probe: bool = True) -> None:
+        """Take out roots whose deletion watch refuses stores; with ``probe``, try the others.
+
+        A root out of service is opened again only if its own cache is still
+        there (its header names this layout): a bare directory, such as the
+        mount point of an unmounted drive, is never filled. Cancellation: an
+        open in progress is closed again when its thread ends.
+        """
+        roots = self._roots
+        for root in roots.in_service():
+            await root.state.watch.check()  # type: ignore[union-attr]
+        for root in roots.refusing_roots():
+            refusing = root.state.watch.refusing  # type: ignore[union-attr]
+            roots.take_out(root, refusing or "", logging.WARNING)  # the watch logged the ERROR
+        if not probe or self._closed:
+            return
+        for root in roots.waiting_for_probe():
+            geometry = plan_geometry(root.config, self.context.block_bytes)
+            try:  # its blocks were reported removed: it comes back empty
+                prepared = await self._prepare(
+                    root.config, geometry, forget_blocks=True, must_exist=True
+                )
+            except Exception as exc:
+                logger.debug("fs tier %s: probe of %r: %s", self.context.name, root.path, exc)
+                continue
+            if self.closed:  # aclose ran while the root was being opened
+                prepared.close()
+                return
+            try:
+                state = self._start(root, prepared)
+            except BaseException:
+                prepared.close()
+                raise
+            roots.bring_back(root, state)
+
+    def _make_backend(self, loop: asyncio.AbstractEventLoop, *, direct_io: bool) -> IoBackend:
+        """The I/O backend the config asks for, one per root (tests override this)."""
         cfg = self.config
         return make_backend(
             cfg.io_backend,
@@ -172,7 +257,7 @@ class FileSystemTier(AsyncTier):
             queue_depth=cfg.queue_depth,
             n_read_threads=cfg.n_read_threads,
             n_write_threads=cfg.n_write_threads,
-            direct_io=self._direct_io,
+            direct_io=direct_io,
         )
 
     async def aclose(self) -> None:
@@ -184,14 +269,35 @@ class FileSystemTier(AsyncTier):
         if self._closed:
             return
         self._closed = True
-        state, self._open_state = self._open_state, None
-        if state is None:
-            return
-        state.closed = True
-        notify_room(state)  # writes waiting for room see the tier closed and fail
-        await stop_open_state(state, durable=self.config.durability != "none")
+        self._open_state = None
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
+        await self._stop_all()
+
+    async def _stop_all(self) -> None:
+        states = await self._roots.close()
+        for state in states:
+            state.closed = True
+            notify_room(state)  # writes waiting for room see the tier closed and fail
+        durable = self.config.durability != "none"
+        errors = []
+        for state in states:
+            try:
+                await stop_open_state(state, durable=durable)
+            except BaseException as exc:  # stop every root before raising
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
 
     def _state(self) -> OpenState:
+        """The open state of a tier of one root."""
         state = self._open_state
         if state is None:
             if self._closed:
@@ -199,39 +305,63 @@ class FileSystemTier(AsyncTier):
             raise RuntimeError("fs tier is not open yet")
         return state
 
+    def _check_open(self) -> RootSet:
+        """The roots of a striped tier, once it is open and until it closes."""
+        if self._closed:
+            raise TierClosedError("fs tier is closed")
+        if not self._is_open:
+            raise RuntimeError("fs tier is not open yet")
+        return self._roots
+
     # -- lookups ------------------------------------------------------------------------
 
     async def contains(self, key: OffloadKey) -> bool:
         """Whether ``key``'s block is visible. Cancellation: no side effects."""
-        return key in self._state().index
+        if not self.config.striped:
+            return key in self._state().index
+        return self._check_open().holder(key) is not None
 
     async def contains_many(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """``contains`` for each key, from the in-memory index. Cancellation: no side effects."""
-        index = self._state().index
-        return [key in index for key in keys]
+        """``contains`` for each key, from the in-memory indexes. Cancellation: no side effects."""
+        if not self.config.striped:
+            index = self._state().index
+            return [key in index for key in keys]
+        roots = self._check_open()
+        return [roots.holder(key) is not None for key in keys]
 
     async def list_keys(self) -> Iterable[OffloadKey]:
         """Every visible key (after :meth:`open`: the blocks recovered from disk).
 
         Cancellation: no side effects.
         """
-        return self._state().index.keys()
+        if not self.config.striped:
+            return self._state().index.keys()
+        roots = self._check_open().in_service()
+        states = [root.state for root in roots if root.state is not None]
+        return [key for state in states for key in state.index.keys()]  # noqa: SIM118
 
     async def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Mark blocks recently used for eviction. Cancellation: no side effects."""
-        index = self._state().index
+        if not self.config.striped:
+            index = self._state().index
+            for key in keys:
+                index.access(key)
+            return
+        roots = self._check_open()
         for key in keys:
-            index.access(key)
+            root = roots.holder(key)
+            if root is not None:
+                root.state.index.access(key)  # type: ignore[union-attr]
 
     @property
     def capacity_blocks(self) -> int | None:
-        """How many blocks fit (None before open); the runtime shows it in its stats."""
+        """How many blocks fit in the roots in service (None before open)."""
         return self.stats.capacity_slots or None
 
     def num_blocks(self) -> int:
         """Number of visible blocks (loop thread)."""
-        state = self._open_state
-        return len(state.index) if state is not None else 0
+        states = [root.state for root in self._roots.in_service()]
+        return sum(len(state.index) for state in states if state is not None)
 
     # -- delete -------------------------------------------------------------------------
 
@@ -241,7 +371,13 @@ class FileSystemTier(AsyncTier):
         Cancellation: the block is already gone from lookups; the record is
         still written.
         """
-        state = self._state()
+        if not self.config.striped:
+            state = self._state()
+        else:
+            root = self._check_open().holder(key)
+            if root is None:
+                return
+            state = root.state  # type: ignore[assignment]
         if key not in state.index:
             return
         seq = state.journal.next_seq
@@ -260,7 +396,7 @@ class FileSystemTier(AsyncTier):
         I/O already in the kernel (it writes into ``into``), then propagates;
         ``into`` may be partly written.
         """
-        errors = await read_blocks(self._state(), [key], [into])
+        errors = await self._read(list([key]), [into])
         if errors:
             raise errors[key]
 
@@ -270,9 +406,16 @@ class FileSystemTier(AsyncTier):
         Raises PartialBatchError naming the keys that failed. Cancellation: as
         for :meth:`read`.
         """
-        errors = await read_blocks(self._state(), keys, into)
+        errors = await self._read(keys, into)
         if errors:
             raise PartialBatchError([k for k in keys if k not in errors], errors)
+
+    async def _read(
+        self, keys: Sequence[OffloadKey], into: Sequence[memoryview]
+    ) -> dict[bytes, BaseException]:
+        if not self.config.striped:
+            return await read_blocks(self._state(), keys, into)
+        return await read_striped(self._check_open(), keys, into)
 
     # -- writes -------------------------------------------------------------------------
 
@@ -284,16 +427,23 @@ class FileSystemTier(AsyncTier):
         OSError. Cancellation: waits for I/O already in the kernel, then
         propagates; the block is then either absent or complete.
         """
-        errors = await write_blocks(self._state(), [key], [data])
+        errors = await self._write([key], [data])
         if errors:
             raise errors[key]
 
     async def write_many(self, keys: Sequence[OffloadKey], data: Sequence[memoryview]) -> None:
-        """Store several blocks: adjacent slots, vectored writes, one journal commit.
+        """Store several blocks: adjacent slots, vectored writes, one journal commit per root.
 
         Raises PartialBatchError naming the keys that failed. Cancellation: as
         for :meth:`write`, per block.
         """
-        errors = await write_blocks(self._state(), keys, data)
+        errors = await self._write(keys, data)
         if errors:
             raise PartialBatchError([k for k in keys if k not in errors], errors)
+
+    async def _write(
+        self, keys: Sequence[OffloadKey], data: Sequence[memoryview]
+    ) -> dict[bytes, BaseException]:
+        if not self.config.striped:
+            return await write_blocks(self._state(), keys, data)
+        return await write_striped(self._check_open(), keys, data)
