@@ -53,6 +53,12 @@ def _missing_distribution(name: str, why: str) -> Callable[[], str]:
     return check
 
 
+def _cannot_stripe() -> str:
+    from benchmarks.fs_striping import missing_requirement
+
+    return missing_requirement() or ""
+
+
 def _no_redis() -> str:
     if shutil.which("redis-server") and shutil.which("redis-cli"):
         return ""
@@ -143,6 +149,16 @@ SMOKES: dict[str, Smoke] = {
             r"^MAC 64KiB load  hmac-sha256: [\d.]+ GB/s without auth_key_\*, [\d.]+ with ",
         ),
         weight=4,
+    ),
+    "fs_striping": Smoke(
+        (
+            r"^CPU: ",
+            r"^roots +phase +GB/s +N x 1 root +scaling +fio GB/s +of fio +target$",
+            r"^ +2 +store +[\d.]+ +[\d.]+ +[\d.]+x ",
+            r"^verdict: --roots 2 load [\d.]+x of one root \(target >= 1\.8x\): (ok|BELOW)$",
+        ),
+        skip=_cannot_stripe,
+        weight=2,
     ),
     "gil_handoff": Smoke(
         (
