@@ -384,3 +384,44 @@ def test_replay_and_our_spec_take_root_dirs(
         assert manager.secondary_tiers[0].tier.config.root_dirs == tuple(roots)
     finally:
         manager.shutdown()
+
+
+# -- the gauge: runtime statistics, the manager's snapshot, Prometheus -----------------------
+
+
+def test_a_root_out_of_service_shows_in_stats_and_metrics(tmp_path: Path) -> None:
+    import numpy as np
+
+    from tests.runtime_support import load as load_job
+    from tests.runtime_support import one_result
+    from tests.runtime_support import store as store_job
+    from tiering.core.stats import ManagerStats, TierCounters
+    from tiering.manager.statistics import tier_holdings
+    from tiering.metrics import MetricsExport
+    from tiering.runtime import AsyncTierManager
+
+    prometheus = pytest.importorskip("prometheus_client")
+    roots = [tmp_path / "d0", tmp_path / "d1"]
+    tier = FailingRootTier(root_dirs=roots, capacity_bytes="4MiB", durability="none")
+    rows = np.zeros((64, BLOCK), dtype=np.uint8)
+    keys = [key(i) for i in range(32)]
+    with AsyncTierManager(tier, memoryview(rows), "fs", layout_fingerprint="fp") as runtime:
+        runtime.submit_store(store_job(1, keys, list(range(32))))
+        assert one_result(runtime).success
+        assert runtime.stats().parts_out_of_service == 0
+        on_d1 = [k for k in keys if holder(tier, k) == str(roots[1])]
+        tier.failing = roots[1]  # read by the rule on the loop thread
+        for job in range(FAILED_CALLS_LIMIT):
+            runtime.submit_load(load_job(10 + job, on_d1[job : job + 1], [40]))
+            assert not one_result(runtime).success
+        assert runtime.stats().parts_out_of_service == 1
+        held, _, out = tier_holdings(runtime)  # type: ignore[arg-type]
+        assert out == 1 and held == len(keys) - len(on_d1)
+    registry = prometheus.CollectorRegistry()
+    export = MetricsExport("striped", registry)
+    fs = TierCounters("fs", "disk").snapshot(
+        blocks_held=1, capacity_blocks=2, parts_out_of_service=1
+    )
+    export.publish(ManagerStats((fs,), 0, 0, 0, 0, 0, 0, 0, 0, 0.0, False))
+    labels = {"manager": "striped", "tier": "fs", "medium": "disk"}
+    assert registry.get_sample_value("kv_tiering_tier_parts_out_of_service", labels) == 1

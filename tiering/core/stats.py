@@ -34,6 +34,8 @@ class TierStats:
     (successful blocks only); ``jobs_in_flight`` are jobs without a result yet.
     ``job_seconds_counts`` counts those finished jobs by duration, one count per
     bucket of :data:`JOB_SECONDS_BUCKETS` plus a last one for longer jobs.
+    ``parts_out_of_service`` is how many parts of a secondary tier made of parts
+    (the drives of a striped fs tier) are out of service now.
     ``dropped`` counts blocks not stored: for a secondary tier, cascades dropped
     because the tier was behind (back-pressure: its in-flight cascades already pinned
     its share of the primary tier); for the primary tier, blocks of offloads that
@@ -56,6 +58,7 @@ class TierStats:
     routine_failures: int = 0
     job_seconds_counts: tuple[int, ...] = (0,) * (len(JOB_SECONDS_BUCKETS) + 1)
     dropped: int = 0
+    parts_out_of_service: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,9 @@ class TierCounters:
         self.seconds_moved += seconds
         self.job_seconds_counts[bisect.bisect_left(JOB_SECONDS_BUCKETS, seconds)] += 1
 
-    def snapshot(self, *, blocks_held: int, capacity_blocks: int | None) -> TierStats:
+    def snapshot(
+        self, *, blocks_held: int, capacity_blocks: int | None, parts_out_of_service: int = 0
+    ) -> TierStats:
         return TierStats(
             name=self.name,
             medium=self.medium,
@@ -168,4 +173,5 @@ class TierCounters:
             routine_failures=self.routine_failures,
             job_seconds_counts=tuple(self.job_seconds_counts),
             dropped=self.dropped,
+            parts_out_of_service=parts_out_of_service,
         )

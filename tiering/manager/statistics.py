@@ -46,15 +46,18 @@ class StatisticsMixin(ManagerState):
         primary = self._primary
         held: list[int | None] = []
         capacities: list[int | None] = []
+        parts_out: list[int] = []
         for tier in self._tiers:
-            blocks, capacity = tier_holdings(tier)
+            blocks, capacity, out = tier_holdings(tier)
             held.append(blocks)
             capacities.append(capacity)
+            parts_out.append(out)
         return Holdings(
             primary_ready=primary.num_ready(),
             primary_pinned=primary.num_pinned(),
             tier_blocks=held,
             tier_capacities=capacities,
+            tier_parts_out_of_service=parts_out,
         )
 
     def _stats_from(self, holdings: Holdings) -> ManagerStats:
@@ -63,10 +66,18 @@ class StatisticsMixin(ManagerState):
                 blocks_held=holdings.primary_ready, capacity_blocks=self._primary.num_blocks
             )
         ]
-        for counters, held, capacity in zip(
-            self._tier_counters, holdings.tier_blocks, holdings.tier_capacities, strict=True
+        for counters, held, capacity, out in zip(
+            self._tier_counters,
+            holdings.tier_blocks,
+            holdings.tier_capacities,
+            holdings.tier_parts_out_of_service,
+            strict=True,
         ):
-            tiers.append(counters.snapshot(blocks_held=held or 0, capacity_blocks=capacity))
+            tiers.append(
+                counters.snapshot(
+                    blocks_held=held or 0, capacity_blocks=capacity, parts_out_of_service=out
+                )
+            )
         oldest = next(iter(self._jobs.values()), None)
         return ManagerStats(
             tiers=tuple(tiers),
@@ -91,14 +102,15 @@ class Holdings:
     primary_pinned: int
     tier_blocks: list[int | None]
     tier_capacities: list[int | None]
+    tier_parts_out_of_service: list[int]
 
     @classmethod
     def unknown(cls, num_tiers: int) -> Holdings:
-        return cls(0, 0, [None] * num_tiers, [None] * num_tiers)
+        return cls(0, 0, [None] * num_tiers, [None] * num_tiers, [0] * num_tiers)
 
 
-def tier_holdings(tier: SecondaryTierManager) -> tuple[int | None, int | None]:
-    """Blocks held and capacity of a tier, from its ``stats()`` snapshot where it has one."""
+def tier_holdings(tier: SecondaryTierManager) -> tuple[int | None, int | None, int]:
+    """Blocks held, capacity and parts out of service of a tier, from its ``stats()`` snapshot."""
     try:
         stats = getattr(tier, "stats", None)
         snapshot = stats() if callable(stats) else None
@@ -106,6 +118,7 @@ def tier_holdings(tier: SecondaryTierManager) -> tuple[int | None, int | None]:
         if not isinstance(held, int):
             held = tier.get_num_blocks()
         capacity = getattr(snapshot, "capacity_blocks", getattr(tier, "capacity_blocks", None))
+        out = getattr(snapshot, "parts_out_of_service", 0)
     except Exception:
-        return None, None
-    return held, capacity if isinstance(capacity, int) else None
+        return None, None, 0
+    return held, capacity if isinstance(capacity, int) else None, out if isinstance(out, int) else 0

@@ -78,6 +78,12 @@ _TIER_METRICS: tuple[tuple[str, str, Callable[[TierStats], float | None], bool],
         True,
     ),
     (
+        "kv_tiering_tier_parts_out_of_service",
+        "Parts of the tier (drives of a striped fs tier) out of service now.",
+        lambda t: t.parts_out_of_service,
+        False,
+    ),
+    (
         "kv_tiering_tier_jobs_in_flight",
         "Jobs submitted to the tier without a result yet.",
         lambda t: t.jobs_in_flight,

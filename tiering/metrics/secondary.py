@@ -43,6 +43,12 @@ _SECONDARY_METRICS: tuple[tuple[str, str, str, bool], ...] = (
         "jobs_in_flight",
         False,
     ),
+    (
+        "kv_tiering_secondary_parts_out_of_service",
+        "Parts of the tier (drives of a striped fs tier) out of service now.",
+        "parts_out_of_service",
+        False,
+    ),
     ("kv_tiering_secondary_failed_jobs", "Failed jobs of the tier.", "jobs_failed", True),
     ("kv_tiering_secondary_timeouts", "Jobs that missed their deadline.", "timeouts", True),
     (

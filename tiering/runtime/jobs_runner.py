@@ -348,6 +348,8 @@ class _JobRunner(_Transfers):
             return
         job.published = True
         self.results.put(result)
+        parts = getattr(self.tier, "parts_out_of_service", 0)
+        self.counters.parts_out_of_service = parts if isinstance(parts, int) else 0
         if result.success:
             self.counters.jobs_succeeded += 1
         else:

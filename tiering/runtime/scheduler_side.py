@@ -412,6 +412,7 @@ class SchedulerSide(SecondaryTierManager):
             closed=self._closed,
             store_seconds_counts=tuple(counters.store_seconds_counts),
             load_seconds_counts=tuple(counters.load_seconds_counts),
+            parts_out_of_service=counters.parts_out_of_service,
         )
 
     def shutdown(self) -> None:

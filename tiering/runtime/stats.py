@@ -35,6 +35,8 @@ class TierCounters:
     abandoned_jobs: int = 0
     blocks_removed: int = 0
     events_dropped: int = 0
+    #: The tier's ``parts_out_of_service`` after its latest job (a gauge, not a total).
+    parts_out_of_service: int = 0
     store_seconds_counts: list[int] = field(default_factory=_no_jobs)
     load_seconds_counts: list[int] = field(default_factory=_no_jobs)
 
@@ -53,6 +55,8 @@ class TierStats:
     ``corrupt_reads``/``missing_reads`` blocks whose read raised
     ``CorruptBlock``/``BlockNotFound``, ``blocks_removed`` blocks the tier
     reported gone (evictions) or found missing or corrupt.
+    ``parts_out_of_service`` is the tier's own gauge of that name (drives of a
+    striped fs tier out of service), as of its latest job.
     ``store_seconds_counts``/``load_seconds_counts`` count jobs by transfer
     time, one count per bucket of :data:`tiering.core.stats.JOB_SECONDS_BUCKETS`
     plus one for longer jobs.
@@ -83,6 +87,7 @@ class TierStats:
     closed: bool
     store_seconds_counts: tuple[int, ...] = (0,) * (len(JOB_SECONDS_BUCKETS) + 1)
     load_seconds_counts: tuple[int, ...] = (0,) * (len(JOB_SECONDS_BUCKETS) + 1)
+    parts_out_of_service: int = 0
 
     @property
     def store_bytes_per_s(self) -> float:

@@ -67,7 +67,9 @@ is in flight. Unless the tier sets ``verifies_reads = True``, the runtime
 keeps an xxh3 checksum of every block it stored and fails a load whose bytes
 do not match (a ``CorruptBlock`` miss). An ``int`` attribute
 ``capacity_blocks`` (most blocks held) is
-reported in the runtime's statistics when present. Check a tier with
+reported in the runtime's statistics when present, and so is
+``parts_out_of_service`` (a tier made of parts - drives, shards - that is
+serving without some of them; read on the loop thread after each job). Check a tier with
 :func:`tiering.testing.conformance.check_tier`.
 """
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -176,10 +177,8 @@ class FileSystemTier(AsyncTier):
     async def _prepare(self, config: FsTierConfig, geometry: Geometry, **options: bool) -> Prepared:
         """:func:`prepare_root` in a worker thread; what it opened is closed if cancelled."""
         root_set, fingerprint = self.config.root_set, self.context.layout_fingerprint
-        prepare = functools.partial(
-            prepare_root, config, geometry, fingerprint, root_set, **options
-        )
-        job = asyncio.ensure_future(asyncio.to_thread(prepare))
+        prepare = functools.partial(prepare_root, config, geometry, fingerprint, root_set)
+        job = asyncio.ensure_future(asyncio.to_thread(prepare, **options))
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -206,12 +205,9 @@ class FileSystemTier(AsyncTier):
         Cancellation (the tier closing): stops at once; a probe's open in its
         thread is closed again when it ends.
         """
-        ticks = round(PROBE_INTERVAL_S / CHECK_INTERVAL_S)
-        tick = 0
-        while True:
+        for tick in itertools.count(1):
             await asyncio.sleep(CHECK_INTERVAL_S)
-            tick += 1
-            await self.check_roots(probe=tick % ticks == 0)
+            await self.check_roots(probe=tick % round(PROBE_INTERVAL_S / CHECK_INTERVAL_S) == 0)
 
     async def check_roots(self, probe: bool = True) -> None:
         """Take out roots whose deletion watch refuses stores; with ``probe``, try the others.
@@ -352,6 +348,11 @@ class FileSystemTier(AsyncTier):
             root = roots.holder(key)
             if root is not None:
                 root.state.index.access(key)  # type: ignore[union-attr]
+
+    @property
+    def parts_out_of_service(self) -> int:
+        """Roots out of service now (the runtime's statistics and metrics report it)."""
+        return self.stats.roots_out_of_service
 
     @property
     def capacity_blocks(self) -> int | None:
