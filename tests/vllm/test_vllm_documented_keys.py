@@ -20,6 +20,7 @@ from tests.vllm.test_vllm_tiers import ours, tier_of
 from tiering.core.errors import ConfigError
 from tiering.integrations.vllm.driver import SchedulerDriver, build_manager, offloading_config
 from tiering.integrations.vllm.spec import KVTieringOffloadingSpec
+from tiering.integrations.vllm.tiers import VLLM_SHUTDOWN_TIMEOUT_S
 from tiering.metrics.server import running_metrics_server, stop_metrics_server
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -119,6 +120,8 @@ def check_store_threshold(engine: Callable[..., Any]) -> None:
 def check_shutdown_timeout_s(engine: Callable[..., Any]) -> None:
     manager = engine({"shutdown_timeout_s": 3.5})
     assert tier_of(manager)._runtime.shutdown_timeout_s == 3.5
+    # Unset: inside vLLM's 5 s window before it force-kills the engine core.
+    assert tier_of(engine({}))._runtime.shutdown_timeout_s == VLLM_SHUTDOWN_TIMEOUT_S < 5
     with pytest.raises(ConfigError, match="shutdown_timeout_s must be a positive"):
         spec({"shutdown_timeout_s": 0})
 

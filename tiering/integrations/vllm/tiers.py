@@ -50,6 +50,10 @@ MODULE_PATH = "tiering.integrations.vllm"
 
 #: How long a block whose promotion failed answers MISS (see ``failed_load_backoff_s``).
 DEFAULT_FAILED_LOAD_BACKOFF_S = 10.0
+#: Our tiers' ``shutdown_timeout_s`` under vLLM unless configured: vLLM's process manager
+#: force-kills the engine core 5 s after SIGTERM (``vllm.v1.utils.shutdown``'s default), so
+#: a tier given longer is killed before it has flushed, closed and logged its totals.
+VLLM_SHUTDOWN_TIMEOUT_S = 4.0
 
 _HIT_SOURCE = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}
 
@@ -121,8 +125,6 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             failed_load_backoff_s = defaults.get(
                 "failed_load_backoff_s", DEFAULT_FAILED_LOAD_BACKOFF_S
             )
-        if "shutdown_timeout_s" in defaults:
-            options.setdefault("shutdown_timeout_s", defaults["shutdown_timeout_s"])
         our_type = self._our_tier_type(tier, where)
         if medium is not None:
             try:
@@ -138,7 +140,10 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             raise ConfigError(
                 f"{where}: locality must be 'LOCAL' or 'REMOTE', got {locality!r}"
             ) from None
-        position = _position_in_spec(offloading_spec, tier_type, options)
+        position = _position_in_spec(offloading_spec, tier_type, options)  # options as given
+        options.setdefault(
+            "shutdown_timeout_s", defaults.get("shutdown_timeout_s", VLLM_SHUTDOWN_TIMEOUT_S)
+        )
         self._events_enabled = self._events_wanted(bool(enable_kv_events), where)
         if not self._events_enabled:
             options["max_events"] = 0  # nobody takes them: do not keep any
