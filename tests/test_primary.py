@@ -318,8 +318,14 @@ class RecordingPolicy(RequestAwarePolicy[OffloadKey]):
         super().__init__(capacity)
         self.inner = LRUPolicy[OffloadKey](capacity)
         self.uses: list[tuple[OffloadKey, RequestContext | None]] = []
+        self.stores: list[tuple[OffloadKey, RequestContext | None]] = []
 
     def insert(self, key: OffloadKey) -> None:
+        self.stores.append((key, None))
+        self.inner.insert(key)
+
+    def insert_in(self, key: OffloadKey, context: RequestContext) -> None:
+        self.stores.append((key, context))
         self.inner.insert(key)
 
     def access(self, key: OffloadKey) -> None:
@@ -364,3 +370,27 @@ def test_a_request_aware_policy_gets_the_request_position_and_group_with_each_to
     policy.uses.clear()
     tier.touch([key(0)], NO_CONTEXT)  # no request: the key-only contract
     assert policy.uses == [(key(0), None)]
+
+
+def test_a_request_aware_policy_gets_the_request_that_stored_each_block() -> None:
+    tier = small_tier(8, policy="tests.test_primary:RecordingPolicy")
+    policy = tier._policy
+    assert isinstance(policy, RecordingPolicy)
+    grouped = make_offload_key(b"g" * 16, 2)
+    out = tier.prepare_store([key(0), key(1), grouped], ReqContext("req-9"))
+    assert out is not None
+    tier.complete_store(out.keys_to_store)
+    assert policy.stores == [  # last block first, each with its place in the request
+        (grouped, RequestContext("req-9", 2, 2)),
+        (key(1), RequestContext("req-9", 1, 0)),
+        (key(0), RequestContext("req-9", 0, 0)),
+    ]
+    policy.stores.clear()
+    failed = tier.prepare_store([key(5)], ReqContext("req-10"))
+    assert failed is not None
+    tier.complete_store(failed.keys_to_store, success=False)  # its request is forgotten
+    out = tier.prepare_store([key(6)], NO_CONTEXT)  # no request: the key-only contract
+    assert out is not None
+    tier.complete_store(out.keys_to_store)
+    assert policy.stores == [(key(6), None)]
+    tier.check_invariants()

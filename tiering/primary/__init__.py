@@ -26,7 +26,7 @@ from tiering.core.errors import ConfigError, ContractError, TierClosedError
 from tiering.core.keys import OffloadKey, ReqContext
 from tiering.core.specs import CPULoadStoreSpec
 from tiering.policies import EvictionPolicy, PolicyChoice, make_policy
-from tiering.policies.request import RequestAwarePolicy, RequestContext
+from tiering.policies.request import RequestAwarePolicy, RequestContext, insert_with
 from tiering.primary.host_buffer import BlockGeometry, HostBuffer, validate_geometry
 
 MEDIUM = "CPU"
@@ -100,6 +100,8 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         # Popped from the end: block 0 is handed out first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._storing: dict[OffloadKey, int] = {}
+        #: For a request-aware policy: the request that prepared each key being stored.
+        self._storing_for: dict[OffloadKey, RequestContext] = {}
         self._ready: dict[OffloadKey, int] = {}
         # Load pins of ready keys (absent = 0). A storing key is pinned once, by its store.
         self._load_pins: dict[OffloadKey, int] = {}
@@ -205,8 +207,7 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         if request and isinstance(policy, RequestAwarePolicy):
             for position in range(len(keys) - 1, -1, -1):
                 key = keys[position]
-                group = int.from_bytes(key[-4:], "big")  # make_offload_key's 4-byte suffix
-                policy.access_in(key, RequestContext(request, position, group))
+                policy.access_in(key, RequestContext(request, position, _group(key)))
             return
         access = policy.access
         for key in reversed(keys):
@@ -272,6 +273,12 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         block_ids.reverse()  # as if popped one by one: low rows first on a fresh pool
         del free[len(free) - count :]
         storing.update(zip(to_store, block_ids, strict=True))
+        request = req_context.req_id
+        if request and isinstance(self._policy, RequestAwarePolicy):
+            positions = {key: i for i, key in enumerate(requested)}
+            self._storing_for.update(
+                (key, RequestContext(request, positions[key], _group(key))) for key in to_store
+            )
         return PrepareStoreOutput(
             keys_to_store=to_store, store_spec=CPULoadStoreSpec(block_ids), evicted_keys=evicted
         )
@@ -288,18 +295,20 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         bad = [key for key in keys if key not in storing]
         if bad or len(set(keys)) != len(keys):
             raise self._bad_complete_store_error(keys, bad)
+        storing_for = self._storing_for
         if success:
-            ready, insert = self._ready, self._policy.insert
+            ready, policy = self._ready, self._policy
             # Last key first, so the first key of a prefix ends most recently used.
             for key in reversed(keys):
                 ready[key] = storing.pop(key)
-                insert(key)
+                insert_with(policy, key, storing_for.pop(key, None) if storing_for else None)
             if self._enable_events and keys:
                 self._events.append(OffloadingEvent(keys, self._block_bytes, MEDIUM, False))
         else:
             free = self._free
             for key in keys:
                 free.append(storing.pop(key))
+                storing_for.pop(key, None)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Stored / evicted batches since the last call, oldest first."""
@@ -330,6 +339,7 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         blocks = [*free, *ready.values(), *storing.values()]
         assert sorted(blocks) == list(range(n)), "a block is lost or held twice"
         assert not ready.keys() & storing.keys(), "a key is both ready and storing"
+        assert self._storing_for.keys() <= storing.keys(), "a request kept for no store"
         assert pins.keys() <= ready.keys(), "a load pin on a key that is not ready"
         assert all(count > 0 for count in pins.values()), "a zero load-pin count is kept"
         assert set(self._policy) == ready.keys(), "policy and ready blocks disagree"
@@ -385,3 +395,8 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
 def _as_sequence(keys: Iterable[OffloadKey]) -> Sequence[OffloadKey]:
     # Callers pass lists or tuples; anything else (a generator, a set) is read once here.
     return keys if isinstance(keys, (list, tuple)) else list(keys)
+
+
+def _group(key: OffloadKey) -> int:
+    """The KV group of ``key`` (``make_offload_key``'s 4-byte suffix)."""
+    return int.from_bytes(key[-4:], "big")
