@@ -260,3 +260,28 @@ def test_a_request_touching_again_protects_the_block_like_lru(follow: str, exper
     else:
         assert not policy._reuse.is_protected(0)  # type: ignore[union-attr]
     policy.check_invariants()
+
+
+@pytest.mark.parametrize("guided", [True, False])
+def test_exact_shadows_guide_the_victims_after_a_switch(guided: bool) -> None:
+    """With exact shadows (rate 1), following LRU evicts first the resident key the LRU shadow
+    (LRU alone on the same uses) has dropped, not the oldest of the resident set's own LRU
+    order: the resident set becomes what LRU alone would hold. Unguided, the resident order."""
+    policy: AdaptivePolicy[str] = AdaptivePolicy(2, guided=guided)
+    assert policy.sample_rate == 1 and policy.following == "reuse"
+    insert_with(policy, "a", RequestContext("r"))
+    access_with(policy, "a", RequestContext("s"))  # a second use: ARC protects a
+    insert_with(policy, "b", RequestContext("r"))
+    assert policy.evict(1, all_keys) == ["b"]  # ARC's victim
+    insert_with(policy, "c", RequestContext("t"))  # LRU alone would have dropped a, not b
+    access_with(policy, "a", RequestContext("s"))  # the same request again: no use, a refresh
+    assert list(policy) == ["c", "a"]
+    policy._follow_lru = True  # what the shadows decide; the victim is what is tested
+    assert policy.evict(1, all_keys) == (["a"] if guided else ["c"])
+    policy.check_invariants()
+
+
+def test_guided_takes_a_bool() -> None:
+    with pytest.raises(ConfigError, match="rejected its options"):
+        resolve_policy({"name": "adaptive", "guided": "yes"})
+    assert make_policy("adaptive(guided=false)", 10) is not None

@@ -101,6 +101,7 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         margin: float = 0.002,
         start: str = "reuse",
         evidence: float = 1.0,
+        guided: bool = True,
     ) -> None:
         super().__init__(capacity)
         if expert not in ("arc", "kvaware"):
@@ -124,6 +125,15 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
             raise ValueError(f"start must be 'lru' or 'reuse', got {start!r}")
         self._follow_lru = start == "lru"
         self._last_request: dict[K, Hashable] = {}
+        if not isinstance(guided, bool):
+            raise ValueError(f"guided must be true or false, got {guided!r}")
+        # Exact shadows (rate 1) guide eviction: the resident keys each shadow has dropped,
+        # oldest drop first (LRU's, the reuse expert's).
+        self._guided = guided and self._rate == 1
+        self._stale: tuple[OrderedDict[K, None], OrderedDict[K, None]] = (
+            OrderedDict(),
+            OrderedDict(),
+        )
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -148,17 +158,23 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         hits = self._shadow_hits
         decay = self._decay
         hit = [False, False]
+        guided, resident, stale = self._guided, self._lru, self._stale
         for index, shadow in enumerate((self._shadow_lru, self._shadow_reuse)):
             if key in shadow:
                 hit[index] = True
                 shadow.access(key)
             else:
                 if len(shadow) >= shadow.capacity:
-                    shadow.evict(1, _always)
+                    gone = shadow.evict(1, _always)
+                    if guided and gone[0] in resident:
+                        stale[index][gone[0]] = None
                     if not self._shadows_full:  # evidence starts when evictions do
                         self._shadows_full = True
                         hits[0] = hits[1] = self._shadow_uses = 0.0
                 shadow.insert(key)
+        if guided:
+            stale[0].pop(key, None)
+            stale[1].pop(key, None)
         hits[0] = hits[0] * decay + hit[0]
         hits[1] = hits[1] * decay + hit[1]
         self._shadow_uses = uses = self._shadow_uses * decay + 1.0
@@ -223,28 +239,65 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         if self._lru.pop(key, _MISSING) is not _MISSING:
             self._reuse.remove(key)
             self._last_request.pop(key, None)
+            if self._guided:
+                self._stale[0].pop(key, None)
+                self._stale[1].pop(key, None)
 
     def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
         if n <= 0:
             return []
         lru, reuse, last = self._lru, self._reuse, self._last_request
+        victims: list[K] = []
+        if self._guided:
+            victims = self._evict_stale(n, can_evict)
+            n -= len(victims)
+            if not n:
+                return victims
         if self._follow_lru:
-            victims: list[K] = []
+            chosen: list[K] = []
             for key in lru:
                 if can_evict(key):
-                    victims.append(key)
-                    if len(victims) == n:
+                    chosen.append(key)
+                    if len(chosen) == n:
                         break
-            for key in victims:
+            for key in chosen:
                 del lru[key]
                 reuse.remove(key)
                 last.pop(key, None)
         else:
-            victims = reuse.evict(n, can_evict)
-            for key in victims:
+            chosen = reuse.evict(n, can_evict)
+            for key in chosen:
                 del lru[key]
                 last.pop(key, None)
+        if self._guided:
+            for stale in self._stale:
+                for key in chosen:
+                    stale.pop(key, None)
+        victims.extend(chosen)
         return victims
+
+    def _evict_stale(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
+        """Victims among the resident keys the followed expert's exact shadow has dropped,
+        oldest drop first: the resident set converges to what that expert alone would hold,
+        instead of keeping what the other expert chose while it was followed."""
+        follow_lru = self._follow_lru
+        stale, other = self._stale if follow_lru else self._stale[::-1]
+        picked: list[K] = []
+        for key in stale:
+            if can_evict(key):
+                picked.append(key)
+                if len(picked) == n:
+                    break
+        lru, last = self._lru, self._last_request
+        # The reuse expert's own victims are its ghosts; LRU's are not (see above).
+        drop = self._reuse.remove if follow_lru else self._reuse.retire
+        for key in picked:
+            del stale[key]
+            other.pop(key, None)
+            del lru[key]
+            last.pop(key, None)
+            drop(key)
+        return picked
 
     def __contains__(self, key: object) -> bool:
         return key in self._lru
@@ -260,6 +313,8 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         assert len(self._reuse) == len(self._lru), "the experts disagree on the resident set"
         assert all(key in self._reuse for key in self._lru), "the experts hold other keys"
         assert all(key in self._lru for key in self._last_request), "stale request marks"
+        for stale, shadow in zip(self._stale, (self._shadow_lru, self._shadow_reuse), strict=True):
+            assert all(key in self._lru and key not in shadow for key in stale), "stale marks"
         self._reuse.check_invariants()
         self._shadow_lru.check_invariants()
         self._shadow_reuse.check_invariants()

@@ -144,6 +144,14 @@ class ARCPolicy(EvictionPolicy[K]):
         if self._t1.pop(key, _MISSING) is _MISSING:
             self._t2.pop(key, None)
 
+    def retire(self, key: K) -> None:
+        """Evict resident ``key`` chosen by someone else: it becomes a ghost as if ``evict``
+        had chosen it (``T1`` to ``B1``, ``T2`` to ``B2``). Ignored when not resident."""
+        if self._t1.pop(key, _MISSING) is not _MISSING:
+            self._b1[key] = None
+        elif self._t2.pop(key, _MISSING) is not _MISSING:
+            self._b2[key] = None
+
     def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
         victims: list[K] = []
         if n <= 0:

@@ -160,6 +160,14 @@ class KVAwarePolicy(EvictionPolicy[K]):
         if self._probation.pop(key, _MISSING) is _MISSING:
             self._protected.pop(key, None)
 
+    def retire(self, key: K) -> None:
+        """Evict resident ``key`` chosen by someone else: it is remembered in its list's
+        ghosts as if ``evict`` had chosen it. Ignored when not resident."""
+        if key in self._probation:
+            self._retire([key], self._probation, self._probation_ghosts, self._max_probation_ghosts)
+        elif key in self._protected:
+            self._retire([key], self._protected, self._protected_ghosts, self._max_protected_ghosts)
+
     def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
         victims: list[K] = []
         if n <= 0:
