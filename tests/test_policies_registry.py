@@ -84,7 +84,7 @@ def fifo_entry_point(monkeypatch: pytest.MonkeyPatch, importable_fifo: str) -> N
 def test_builtin_names_are_case_insensitive_and_labelled_in_lower_case() -> None:
     choice = resolve_policy(" KVAware ")
     assert choice.factory is KVAwarePolicy and choice.label == "kvaware"
-    assert POLICY_NAMES == ("lru", "arc", "kvaware")
+    assert POLICY_NAMES == ("lru", "arc", "kvaware", "adaptive")
     assert isinstance(make_policy("LRU", 4), LRUPolicy)
 
 

@@ -51,7 +51,7 @@ def test_sweep_writes_consistent_csv_json_and_png(tmp_path: Path) -> None:
         result.points[0].hit_rates[BELADY].token_hit_rate, 6
     )
     data = json.loads((tmp_path / "s.json").read_text())
-    assert data["policies"] == ["lru", "arc", "kvaware", "belady"]
+    assert data["policies"] == ["lru", "arc", "kvaware", "adaptive", "belady"]
     assert data["points"][-1]["capacity_bytes"] == footprint * 4096
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

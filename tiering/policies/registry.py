@@ -41,9 +41,8 @@ BUILTIN_POLICIES: Mapping[str, type[EvictionPolicy[Any]]] = MappingProxyType(
     {"lru": LRUPolicy, "arc": ARCPolicy, "kvaware": KVAwarePolicy, "adaptive": AdaptivePolicy}
 )
 
-#: The default set ``tiering sweep`` compares (``adaptive`` is named with ``--policies``
-#: until the tests that pin this set are updated; see docs/policies.md).
-POLICY_NAMES = ("lru", "arc", "kvaware")
+#: The default set ``tiering sweep`` compares: every built-in policy.
+POLICY_NAMES = ("lru", "arc", "kvaware", "adaptive")
 
 PolicyFactory = Callable[..., Any]
 
