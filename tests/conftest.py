@@ -1,4 +1,4 @@
-"""Suite-wide pytest configuration: Hypothesis profiles.
+"""Suite-wide pytest configuration: Hypothesis profiles, the inner suites in the background.
 
 ``ci`` (the default) runs enough examples to matter in a few minutes;
 ``deep`` is for local soak runs: ``HYPOTHESIS_PROFILE=deep make unit``.
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
+
+from tests.support.inner_suite import start_selected, stop_children
 
 settings.register_profile(
     "ci",
@@ -32,3 +35,12 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected vLLM inner suites now; their outer tests wait for them."""
+    start_selected(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    stop_children()

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.inner_suite import run_inner_suite
+from tests.support.inner_suite import InnerSuite
 
 BUILD_TIMEOUT_S = 1200
 INNER_TIMEOUT_S = 900
+
+#: Started in the background when collection ends (see tests/support/inner_suite.py).
+INNER_SUITE = InnerSuite(
+    "vllm_env.sh",
+    "tests/vllm",
+    build_timeout_s=BUILD_TIMEOUT_S,
+    inner_timeout_s=INNER_TIMEOUT_S,
+    env={"VLLM_LOGGING_LEVEL": "WARNING"},
+)
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(BUILD_TIMEOUT_S + INNER_TIMEOUT_S)
 def test_our_tiers_inside_vllm_0_33() -> None:
-    run_inner_suite(
-        "vllm_env.sh",
-        "tests/vllm",
-        build_timeout_s=BUILD_TIMEOUT_S,
-        inner_timeout_s=INNER_TIMEOUT_S,
-        env={"VLLM_LOGGING_LEVEL": "WARNING"},
-    )
+    print(INNER_SUITE.verdict()[-4000:])  # shown with -s / on failure
