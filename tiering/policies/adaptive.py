@@ -190,16 +190,18 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
     # -- the EvictionPolicy interface ---------------------------------------------------------
 
     def insert(self, key: K) -> None:
-        self._insert(key)
+        # The reuse expert holds the same keys: its insert raises (changing nothing) for a
+        # resident key or a full policy. Written out, not shared with _insert: this is the
+        # hot path, and a call per block costs (benchmarks/primary.py).
+        self._reuse.insert(key)
+        self._lru[key] = None
+        rate = self._rate
+        if rate == 1 or hash(key) % rate == 0:
+            self._sampled(key)
 
     def _insert(self, key: K) -> None:
-        lru = self._lru
-        if key in lru:
-            raise ValueError(f"{key!r} is already resident")
-        if len(lru) >= self.capacity:
-            raise ValueError(f"cannot insert {key!r}: {self.capacity} keys resident, evict first")
         self._reuse.insert(key)
-        lru[key] = None
+        self._lru[key] = None
         rate = self._rate
         if rate == 1 or hash(key) % rate == 0:
             self._sampled(key)
@@ -209,7 +211,13 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         self._last_request[key] = context.request_id
 
     def access(self, key: K) -> None:
-        self._access(key)
+        lru = self._lru
+        if key in lru:
+            lru.move_to_end(key)
+            self._reuse.access(key)
+            rate = self._rate
+            if rate == 1 or hash(key) % rate == 0:
+                self._sampled(key)
 
     def _access(self, key: K) -> None:
         lru = self._lru
@@ -238,7 +246,8 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
     def remove(self, key: K) -> None:
         if self._lru.pop(key, _MISSING) is not _MISSING:
             self._reuse.remove(key)
-            self._last_request.pop(key, None)
+            if self._last_request:
+                self._last_request.pop(key, None)
             if self._guided:
                 self._stale[0].pop(key, None)
                 self._stale[1].pop(key, None)
@@ -263,11 +272,12 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
             for key in chosen:
                 del lru[key]
                 reuse.remove(key)
-                last.pop(key, None)
         else:
             chosen = reuse.evict(n, can_evict)
             for key in chosen:
                 del lru[key]
+        if last:
+            for key in chosen:
                 last.pop(key, None)
         if self._guided:
             for stale in self._stale:
