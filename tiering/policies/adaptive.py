@@ -50,7 +50,6 @@ from typing import Literal
 from tiering.policies.arc import ARCPolicy
 from tiering.policies.base import K
 from tiering.policies.kvaware import KVAwarePolicy
-from tiering.policies.lru import LRUPolicy
 from tiering.policies.request import RequestAwarePolicy, RequestContext
 
 _MISSING: object = object()
@@ -114,7 +113,10 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         mini = max(1, capacity // self._rate)
         self._lru: OrderedDict[K, None] = OrderedDict()
         self._reuse: ARCPolicy[K] | KVAwarePolicy[K] = _reuse_expert(expert, capacity)
-        self._shadow_lru: LRUPolicy[K] = LRUPolicy(mini)
+        # The LRU shadow is a bare ordered dict (oldest first): LRUPolicy's checks, per
+        # sampled use, cost more than the order itself.
+        self._shadow_lru: OrderedDict[K, None] = OrderedDict()
+        self._mini = mini
         self._shadow_reuse: ARCPolicy[K] | KVAwarePolicy[K] = _reuse_expert(expert, mini)
         self._shadow_hits = [0.0, 0.0]  # LRU's, the reuse expert's (decayed)
         self._shadow_uses = 0.0  # sampled uses (decayed alike)
@@ -157,26 +159,34 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         """One use of a sampled key: each shadow hits, or misses and stores it."""
         hits = self._shadow_hits
         decay = self._decay
-        hit = [False, False]
-        guided, resident, stale = self._guided, self._lru, self._stale
-        for index, shadow in enumerate((self._shadow_lru, self._shadow_reuse)):
-            if key in shadow:
-                hit[index] = True
-                shadow.access(key)
-            else:
-                if len(shadow) >= shadow.capacity:
-                    gone = shadow.evict(1, _always)
-                    if guided and gone[0] in resident:
-                        stale[index][gone[0]] = None
-                    if not self._shadows_full:  # evidence starts when evictions do
-                        self._shadows_full = True
-                        hits[0] = hits[1] = self._shadow_uses = 0.0
-                shadow.insert(key)
+        guided, resident = self._guided, self._lru
+        order = self._shadow_lru
+        hit_lru = key in order
+        if hit_lru:
+            order.move_to_end(key)
+        else:
+            if len(order) >= self._mini:
+                gone = order.popitem(last=False)[0]
+                if guided and gone in resident:
+                    self._stale[0][gone] = None
+                self._shadows_filled()
+            order[key] = None
+        shadow = self._shadow_reuse
+        hit_reuse = key in shadow
+        if hit_reuse:
+            shadow.access(key)
+        else:
+            if len(shadow) >= shadow.capacity:
+                gone = shadow.evict(1, _always)[0]
+                if guided and gone in resident:
+                    self._stale[1][gone] = None
+                self._shadows_filled()
+            shadow.insert(key)
         if guided:
-            stale[0].pop(key, None)
-            stale[1].pop(key, None)
-        hits[0] = hits[0] * decay + hit[0]
-        hits[1] = hits[1] * decay + hit[1]
+            self._stale[0].pop(key, None)
+            self._stale[1].pop(key, None)
+        hits[0] = hits[0] * decay + hit_lru
+        hits[1] = hits[1] * decay + hit_reuse
         self._shadow_uses = uses = self._shadow_uses * decay + 1.0
         if uses < self._evidence:
             return
@@ -186,6 +196,12 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
                 self._follow_lru = False
         elif hits[0] - hits[1] > lead:
             self._follow_lru = True
+
+    def _shadows_filled(self) -> None:
+        """A shadow evicts: the first time, the counts restart (evidence starts here)."""
+        if not self._shadows_full:
+            self._shadows_full = True
+            self._shadow_hits[0] = self._shadow_hits[1] = self._shadow_uses = 0.0
 
     # -- the EvictionPolicy interface ---------------------------------------------------------
 
@@ -326,6 +342,6 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         for stale, shadow in zip(self._stale, (self._shadow_lru, self._shadow_reuse), strict=True):
             assert all(key in self._lru and key not in shadow for key in stale), "stale marks"
         self._reuse.check_invariants()
-        self._shadow_lru.check_invariants()
+        assert len(self._shadow_lru) <= self._mini, (len(self._shadow_lru), self._mini)
         self._shadow_reuse.check_invariants()
         assert all(h >= 0.0 for h in self._shadow_hits), self._shadow_hits

@@ -30,6 +30,7 @@ Every operation is O(1) (plus the pinned keys ``evict`` skips).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -153,35 +154,38 @@ class ARCPolicy(EvictionPolicy[K]):
             self._b2[key] = None
 
     def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
-        victims: list[K] = []
         if n <= 0:
-            return victims
+            return []
         t1, t2 = self._t1, self._t2
-        # Scans continue where they stopped, so pinned keys are skipped once per call.
-        scan1: Iterator[K] = (k for k in t1 if can_evict(k))
-        scan2: Iterator[K] = (k for k in t2 if can_evict(k))
-        t1_exhausted = t2_exhausted = False
+        # REPLACE per victim: from T1 while |T1| (less the victims taken) > p, else from
+        # T2; a list with no evictable key left hands over to the other. As taking from T2
+        # leaves |T1| as is, that is: up to ceil(|T1| - p) from T1, the rest from T2, and
+        # what T2 could not give from T1 after all (in that order).
         from_t1: list[K] = []
         from_t2: list[K] = []
-        t1_left = len(t1)  # |T1| once the victims chosen so far are gone
-        p = self._p
-        while len(victims) < n and not (t1_exhausted and t2_exhausted):
-            if (t1_left > p and not t1_exhausted) or t2_exhausted:
-                try:
-                    key = next(scan1)
-                except StopIteration:
-                    t1_exhausted = True
-                    continue
-                from_t1.append(key)
-                t1_left -= 1
-            else:
-                try:
-                    key = next(scan2)
-                except StopIteration:
-                    t2_exhausted = True
-                    continue
-                from_t2.append(key)
-            victims.append(key)
+        want = min(n, max(0, math.ceil(len(t1) - self._p)))
+        scan1 = iter(t1)  # continues where it stopped: pinned keys are skipped once per call
+        if want:
+            for key in scan1:
+                if can_evict(key):
+                    from_t1.append(key)
+                    if len(from_t1) == want:
+                        break
+        rest = n - len(from_t1)
+        if rest:
+            for key in t2:
+                if can_evict(key):
+                    from_t2.append(key)
+                    if len(from_t2) == rest:
+                        break
+        if len(from_t2) < rest:
+            short = n - len(from_t2)
+            for key in scan1:
+                if can_evict(key):
+                    from_t1.append(key)
+                    if len(from_t1) == short:
+                        break
+        victims = from_t1[:want] + from_t2 + from_t1[want:]
         b1, b2 = self._b1, self._b2
         for key in from_t1:
             del t1[key]
