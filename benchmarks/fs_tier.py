@@ -80,6 +80,7 @@ from benchmarks.support.fs_drive import (
 )
 from tiering.core.jobs import JobMetadata
 from tiering.support.native_probe import describe_cpu
+from tiering.tier import auth
 
 VLLM_ENV_BUILDER = REPO / "scripts" / "vllm_env.sh"
 CASES = {"2MiB": 2 * MIB, "64KiB": 64 * KIB}
@@ -356,11 +357,31 @@ def main() -> None:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-mac", action="store_true", help="no auth_key_* comparison")
     parser.add_argument(
+        "--mac-only",
+        action="store_true",
+        help="only the auth_key_* comparison (plain and each auth_mac, alternating --reps times)",
+    )
+    parser.add_argument(
         "--vllm-driver",
         type=Path,
         default=None,
         help="vLLM's harness script drive_fs_tier.py, run in the environment "
         "scripts/vllm_env.sh builds for the vLLM columns (default: none, not measured)",
+    )
+    parser.add_argument(
+        "--auth-offload-min-kib",
+        type=int,
+        default=None,
+        help="tag/verify batches of at least this many KiB on the hashing threads "
+        "(tiering.tier.auth.OFFLOAD_MIN_BYTES; default: the library's; a huge value keeps "
+        "every tag on the tier's loop thread)",
+    )
+    parser.add_argument(
+        "--auth-offload-min-cpus",
+        type=int,
+        default=None,
+        help="use the hashing threads only with at least this many CPUs "
+        "(tiering.tier.auth.OFFLOAD_MIN_CPUS; default: the library's)",
     )
     parser.add_argument("--quick", action="store_true", help="256 MiB per case, no vLLM")
     parser.add_argument(
@@ -378,10 +399,14 @@ def main() -> None:
         args.total_mib, args.skip_vllm, args.gil_s, args.reps = 8, True, 0.2, 1
         args.job_blocks, args.jobs_in_flight, args.queue_depth = 4, 2, 4
     logging.basicConfig(level=logging.WARNING)
+    if args.auth_offload_min_kib is not None:
+        auth.OFFLOAD_MIN_BYTES = args.auth_offload_min_kib * KIB
+    if args.auth_offload_min_cpus is not None:
+        auth.OFFLOAD_MIN_CPUS = args.auth_offload_min_cpus
     backends, skipped = available_backends(args.backend)
     for backend, reason in skipped.items():
         print(f"# backend {backend} is not usable here: {reason}", flush=True)
-    if not args.smoke:  # a smoke run installs nothing
+    if not args.smoke and not args.mac_only:  # smoke and MAC-only runs install nothing
         ensure_fio()
     scratch = Path(tempfile.mkdtemp(prefix="fs-tier-bench-", dir=args.dir))
     try:
@@ -389,13 +414,15 @@ def main() -> None:
             (name, backend): bench_case(name, CASES[name], backend, args, scratch)
             for name in args.cases
             for backend in backends
+            if not args.mac_only
         }
-        vllm = run_vllm(args, scratch)
+        vllm = None if args.mac_only else run_vllm(args, scratch)
         cases = [] if args.skip_mac else args.cases
         mac = {case: bench_mac(case, CASES[case], args, scratch) for case in cases}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report(results, vllm, args, skipped)
+    if not args.mac_only:
+        report(results, vllm, args, skipped)
     report_mac(mac, args.reps)
     if args.json:
         Path(args.json).write_text(json.dumps({**to_json(results, vllm), "mac": mac}, indent=1))

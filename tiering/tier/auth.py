@@ -24,14 +24,27 @@ The key comes from a file (``auth_key_file``) or an environment variable
 (``auth_key_env``); it never appears in a config, a log line or an error
 message. ``docs/security.md`` says what the tag covers and why each
 construction is sound.
+
+Tags off the loop thread: :class:`OffLoopWork` hands per-block work (tag, verify,
+checksum, copy) to a few process-wide hashing threads and lets the tier's loop
+await it, so a tier's loop keeps parsing replies and completing I/O while the
+tags of a batch are computed on the other cores. A batch of at least
+:data:`OFFLOAD_MIN_BYTES`, on a machine with at least :data:`OFFLOAD_MIN_CPUS`
+CPUs, is worth the hop (:func:`offload_pays`); others are tagged inline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import hmac
+import logging
 import os
+import queue
 import struct
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,10 +59,19 @@ __all__ = [
     "DEFAULT_MAC",
     "HMAC_SHA256",
     "MAC_NAMES",
+    "OFFLOAD_MIN_BYTES",
+    "OFFLOAD_MIN_CPUS",
+    "OFFLOAD_SLICE_BYTES",
     "TAG_BYTES",
     "BlockAuthenticator",
+    "OffLoopWork",
     "authenticator_from_options",
+    "offload_pays",
+    "slices",
+    "usable_cpus",
 ]
+
+logger = logging.getLogger(__name__)
 
 TAG_BYTES = 16
 MIN_KEY_BYTES = 16
@@ -64,6 +86,21 @@ _DIGEST = "sha256"
 _PREFIX = struct.Struct("<HI")  # offload key length, fingerprint length
 #: BLAKE3 key derivation context (fixed, unique to this use: BLAKE3's rule for contexts).
 _KDF_CONTEXT = "kv-tiering 2026-11 block authentication tag v1"
+#: The tagged stream's first piece: 16 BLAKE3 chunks (the widest SIMD degree).
+_BLAKE3_HEAD_BYTES = 16 * 1024
+#: Batches of at least this many bytes are tagged/verified off the loop thread
+#: (a hop costs a queue put and one loop wake-up per batch, tens of microseconds;
+#: smaller batches are tagged inline, in about that time).
+OFFLOAD_MIN_BYTES = 256 << 10
+#: Tags go to the hashing threads only where this process may use at least this many
+#: CPUs. With fewer, the hashing threads compete with the loop, the scheduler (and a Redis
+#: server) for the same cores and their hand-overs cost more than they free: on 2 vCPUs,
+#: authenticated 64 KiB fs stores ran at 0.59x instead of 0.89x of plain and loads at 0.81x
+#: instead of 0.93x, for 20-75 % more CPU per GB, and Redis at 0.81-1.16x of inline tagging.
+OFFLOAD_MIN_CPUS = 4
+#: Work handed to one hashing thread at a time: a batch is split in slices of
+#: about this size (whole blocks), so the hashing threads share a large batch.
+OFFLOAD_SLICE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -106,6 +143,17 @@ class BlockAuthenticator:
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")  # BLAKE3 takes bytes only; HMAC is indifferent
         if (mac or self.mac) == BLAKE3:
+            head = _BLAKE3_HEAD_BYTES - len(prefix) - len(key) - len(fingerprint)
+            if 0 < head < view.nbytes:
+                # The same bytes in the same order, the first 16 KiB of them in one
+                # piece: the rest then starts on a 16-chunk boundary, where BLAKE3
+                # hashes 16 chunks at once (AVX-512) instead of ramping up from one
+                # chunk after a short first update (about 20% of a 64 KiB tag).
+                hasher = blake3.blake3(
+                    b"".join((prefix, key, fingerprint, view[:head])), key=self._blake3_key
+                )
+                hasher.update(view[head:])
+                return hasher.digest(TAG_BYTES)
             hasher = blake3.blake3(prefix, key=self._blake3_key)
             hasher.update(key)
             hasher.update(fingerprint)
@@ -191,3 +239,192 @@ def authenticator_from_options(
     if not value:
         raise ConfigError(f"{where}auth_key_env names {key_env!r}, which is not set or empty")
     return BlockAuthenticator(value.encode().strip(), f"environment variable {key_env!r}", mac)
+
+
+# -- tags off the loop thread -----------------------------------------------------------------
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def offload_pays(nbytes: int) -> bool:
+    """Whether a batch of ``nbytes`` is tagged or verified on the hashing threads: at least
+    :data:`OFFLOAD_MIN_BYTES`, on a machine with at least :data:`OFFLOAD_MIN_CPUS` CPUs for
+    this process (else inline, on the tier's loop thread)."""
+    return nbytes >= OFFLOAD_MIN_BYTES and usable_cpus() >= OFFLOAD_MIN_CPUS
+
+
+class _HashThreads:
+    """Process-wide daemon threads that run :class:`OffLoopWork` items, started on first use.
+
+    As many as the CPUs this process may use (at most 4): BLAKE3, xxhash, OpenSSL's
+    HMAC and the bulk copy release the GIL, so they hash on other cores while the
+    loops and the scheduler keep theirs. Idle threads block on a queue.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, item: Callable[[], None]) -> None:
+        if not self._threads:
+            self._start()
+        self._queue.put(item)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._threads:
+                return
+            cpus = usable_cpus()
+            threads = [
+                threading.Thread(target=self._work, name=f"kv-tiering-hash-{i}", daemon=True)
+                for i in range(max(1, min(4, cpus)))
+            ]
+            for thread in threads:
+                thread.start()
+            self._threads = threads
+
+    def _work(self) -> None:
+        get = self._queue.get
+        while True:
+            get()()  # items never raise (OffLoopWork._run catches everything)
+
+    def _after_fork(self) -> None:
+        """In a forked child: no thread survived the fork; start afresh on first use."""
+        self._lock = threading.Lock()
+        self._queue = queue.SimpleQueue()
+        self._threads = []
+
+
+_HASH_THREADS = _HashThreads()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HASH_THREADS._after_fork)
+
+
+class OffLoopWork:
+    """Items of one batch run on the hashing threads, and the loop's wait for all of them.
+
+    Created and driven on one event loop's thread: :meth:`submit` items (plain
+    callables that read or write buffers the caller keeps alive), then
+    :meth:`wait`. Items run concurrently and in any order; each must only touch
+    its own blocks. An item that raises is logged and its exception kept in
+    :attr:`failure` (the first one): callers set each block's outcome to a
+    failure before submitting it and let the item clear it, so work that did not
+    run to its end never counts as a success. One loop wake-up per wait,
+    whatever the number of items.
+
+    ``wait(help=True)`` runs the items no thread has started yet on the
+    waiting (loop) thread itself first: for a caller with nothing else to do
+    meanwhile, the batch never takes longer than inline, however busy the
+    other cores are, and the hashing threads share it when they can.
+    """
+
+    __slots__ = ("_done", "_items", "_lock", "_loop", "_pending", "failure")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop if loop is not None else asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._items: collections.deque[Callable[[], None]] = collections.deque()
+        self._pending = 0
+        self._done: asyncio.Future[None] | None = None
+        self.failure: BaseException | None = None
+
+    @property
+    def pending(self) -> int:
+        """Items submitted and not finished yet."""
+        with self._lock:
+            return self._pending
+
+    def submit(self, item: Callable[[], None]) -> None:
+        """Queue ``item()`` for a hashing thread (loop thread; never blocks)."""
+        with self._lock:
+            self._pending += 1
+            self._items.append(item)
+        try:
+            _HASH_THREADS.submit(self._run_next)
+        except BaseException:
+            with self._lock:
+                self._items.remove(item)
+                self._pending -= 1
+            raise
+
+    def _run_next(self) -> None:
+        """Run the oldest item nobody has started (none: the loop helped itself to it)."""
+        with self._lock:
+            if not self._items:
+                return
+            item = self._items.popleft()
+        self._run(item)
+
+    def _run(self, item: Callable[[], None]) -> None:
+        try:
+            item()
+        except BaseException as exc:  # kept for the loop; the thread lives on
+            logger.exception("authentication work off the loop failed")
+            with self._lock:
+                if self.failure is None:
+                    self.failure = exc
+        finally:
+            with self._lock:
+                self._pending -= 1
+                done = self._done if self._pending == 0 else None
+            if done is not None:
+                # A closed loop (RuntimeError) has nobody waiting any more.
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(_resolve, done)
+
+    async def wait(self, help: bool = False) -> None:
+        """Return once every item submitted so far has finished (with ``help``, running
+        those not started yet on this thread first).
+
+        Cancellation: ignored until then (the items still read or write the
+        caller's buffers), after which ``CancelledError`` propagates; the wait
+        itself never takes longer than the hashing of what was submitted.
+        """
+        if help:
+            while True:
+                with self._lock:
+                    if not self._items:
+                        break
+                    item = self._items.popleft()
+                self._run(item)
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            with self._lock:
+                if self._pending == 0:
+                    break
+                if self._done is None or self._done.done():
+                    self._done = self._loop.create_future()
+                done = self._done
+            try:
+                await done
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+def slices(sizes: list[int], slice_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` runs of consecutive items of about ``slice_bytes`` together (at least one
+    item each), to hand to the hashing threads."""
+    out: list[tuple[int, int]] = []
+    lo = total = 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total >= slice_bytes:
+            out.append((lo, i + 1))
+            lo, total = i + 1, 0
+    if lo < len(sizes):
+        out.append((lo, len(sizes)))
+    return out

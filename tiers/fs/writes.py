@@ -2,7 +2,9 @@
 
 :func:`write_blocks` waits until the whole batch fits, reserves its slots
 (evicting if full), makes sure slab files back them, writes the bytes with
-vectored ops while it hashes (and tags) them, then appends one PUT record
+vectored ops while it hashes (and tags) them (with a key, where
+:func:`~tiering.tier.auth.offload_pays`, on the hashing threads, off the
+loop), then appends one PUT record
 for the blocks written. A block becomes visible, and its slot leaves the
 batch's hands, only once that record is durable; a slab deleted under the
 write fails its blocks instead of acknowledging them.
@@ -13,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 from collections.abc import Sequence
 
 from tiering.copy.caches import evict_block
 from tiering.core.errors import TierClosedError
 from tiering.core.keys import OffloadKey
-from tiering.tier.auth import BlockAuthenticator
+from tiering.tier import auth as _auth
+from tiering.tier.auth import BlockAuthenticator, OffLoopWork, slices
 from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.errors import TierFullError
 from tiers.fs.files import UnsafeFileError
@@ -211,11 +215,30 @@ async def _back_slots(state: OpenState, blocks: list[Block]) -> None:
 async def _seal_blocks(
     blocks: list[Block], auth: BlockAuthenticator | None, fingerprint: bytes
 ) -> None:
-    """xxh3_128 (and, with a key, the MAC tag) of each block, yielding every few MiB.
+    """xxh3_128 (and, with a key, the MAC tag) of each block.
 
-    Runs on the tier's loop thread, never the scheduler's; hashlib releases
-    the GIL while it hashes a block.
+    Without a key, or where the hand-over does not pay (a batch under
+    ``OFFLOAD_MIN_BYTES``, a machine with fewer than ``OFFLOAD_MIN_CPUS``), on
+    the tier's loop thread (never the scheduler's), yielding every few MiB;
+    xxhash and BLAKE3 release the GIL while they hash a block. Otherwise the
+    batch is hashed and tagged on the hashing threads (:class:`OffLoopWork`), in
+    slices of about ``OFFLOAD_SLICE_BYTES``, each block's checksum and tag in
+    one pass while its bytes are in cache; the loop meanwhile completes other
+    I/O. A block whose tag could not be computed fails (it is never committed
+    untagged). Cancellation: waits until no hashing thread reads the blocks any
+    more, then propagates.
     """
+    sizes = [block.view.nbytes for block in blocks]
+    if auth is not None and _auth.offload_pays(sum(sizes)):
+        work = OffLoopWork()
+        for lo, hi in slices(sizes, _auth.OFFLOAD_SLICE_BYTES):
+            part = blocks[lo:hi]
+            work.submit(functools.partial(_seal_slice, part, auth, fingerprint))
+        await work.wait()
+        for block in blocks:
+            if block.tag is None:
+                block.error = work.failure or RuntimeError("block tag not computed")
+        return
     budget = _HASH_SLICE_BYTES
     for block in blocks:
         block.checksum = checksum(block.view)
@@ -226,3 +249,13 @@ async def _seal_blocks(
         if budget <= 0:
             budget = _HASH_SLICE_BYTES
             await asyncio.sleep(0)
+
+
+def _seal_slice(blocks: list[Block], auth: BlockAuthenticator, fingerprint: bytes) -> None:
+    """Checksum and tag of each block (a hashing thread: touches only these blocks)."""
+    mac = auth.mac
+    for block in blocks:
+        view = block.view
+        block.checksum = checksum(view)
+        block.tag = stored_tag(mac, auth.tag(block.key, fingerprint, view))
+        evict_block(view)  # read for good: out of the caches the scheduler shares

@@ -44,14 +44,17 @@ overwrites, or gets deleted as corrupt by, an older reader.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
 from tiering.copy.bulk import address_of, copy_regions
 from tiering.core.keys import OffloadKey
-from tiering.tier.auth import BLAKE3, TAG_BYTES, BlockAuthenticator
+from tiering.tier import auth as _auth
+from tiering.tier.auth import BLAKE3, TAG_BYTES, BlockAuthenticator, OffLoopWork, slices
 from tiers.redis.errors import RejectedValue
 
 MAGIC = b"KVTB"
@@ -108,7 +111,9 @@ class BlockLayout:
     an auth key, so every check is against what this tier instance itself
     would have written. With an authenticator, values are format 2 (HMAC-SHA256)
     or 3 (keyed BLAKE3) by its ``mac``, and tags are computed here, on the
-    caller's (the tier's loop) thread.
+    caller's thread: the tier's loop, or a hashing thread (:func:`encode_off_loop`
+    for stores, :mod:`tiers.redis.loads` for loads); the layout is immutable once
+    built, so either is safe.
     """
 
     def __init__(
@@ -253,6 +258,51 @@ class BlockLayout:
 
 
 _CHECKSUM = struct.Struct("<Q")
+
+
+async def encode_off_loop(
+    layout: BlockLayout,
+    work: OffLoopWork,
+    keys: Sequence[OffloadKey],
+    data: Sequence[memoryview],
+    values: list[bytearray],
+) -> list[memoryview]:
+    """:meth:`BlockLayout.encode_into` of each block, on the hashing threads of ``work``.
+
+    In slices of about ``OFFLOAD_SLICE_BYTES``, so the threads share a pipeline's
+    blocks, the loop thread taking its share too (it has nothing else to do for
+    this round trip until every value is ready). A block of the wrong size
+    raises ``ValueError`` here, before any thread starts; an error of the
+    encoding itself is raised once every slice is over. Cancellation: returns
+    only once no thread reads ``data`` or writes ``values`` any more, then
+    propagates.
+    """
+    for block in data:
+        if block.nbytes != layout.block_bytes:
+            raise ValueError(
+                f"block is {block.nbytes} bytes, this tier stores {layout.block_bytes}"
+            )
+    out: list[memoryview | None] = [None] * len(keys)
+    for lo, hi in slices([layout.value_len] * len(keys), _auth.OFFLOAD_SLICE_BYTES):
+        work.submit(functools.partial(_encode_slice, layout, keys, data, values, out, lo, hi))
+    await work.wait(help=True)  # the round trip cannot start before: the loop shares the work
+    views = [view for view in out if view is not None]
+    if len(views) != len(keys):
+        raise work.failure or RuntimeError("a block was not encoded")
+    return views
+
+
+def _encode_slice(
+    layout: BlockLayout,
+    keys: Sequence[OffloadKey],
+    data: Sequence[memoryview],
+    values: list[bytearray],
+    out: list[memoryview | None],
+    lo: int,
+    hi: int,
+) -> None:
+    for i in range(lo, hi):
+        out[i] = layout.encode_into(keys[i], data[i], values[i])
 
 
 def copy_bytes(dest: memoryview, source: memoryview) -> None:

@@ -4,8 +4,16 @@ The tier installs a redis-py response callback for ``GET``/``GETEX`` that
 hands each reply of a load to :func:`load_reply`: the value is verified
 (header, fingerprint, key, length, checksum or tag) and copied into its
 destination row while it is still hot in cache, then dropped, so a pipeline
-never holds more than one value; the header it served is remembered for a
-later delete. :class:`LoadOutcomes` sorts what a batch's replies came to
+never holds more than one value (handed to the hashing threads: those not
+verified yet, at most one round trip's); the header it served is remembered for a
+later delete. With an auth key and a chunk of at least ``OFFLOAD_MIN_BYTES``
+(on a machine with ``OFFLOAD_MIN_CPUS`` CPUs or more),
+the callback hands the values to the hashing threads of
+:mod:`tiering.tier.auth` instead (:class:`ChunkChecks`, about
+``OFFLOAD_SLICE_BYTES`` at a time): tags are verified and bytes copied there
+while the loop parses the next replies, and the tier waits for every one of
+them before the load returns (cancelled or not).
+:class:`LoadOutcomes` sorts what a batch's replies came to
 (loaded, vanished, rejected, failed) and counts it in the tier's stats. The
 round trips themselves and what is done about rejected values (deletes) are
 elsewhere. Loop-thread code of one tier.
@@ -13,6 +21,7 @@ elsewhere. Loop-thread code of one tier.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +29,8 @@ from typing import Any, NamedTuple
 
 from tiering.core.errors import BlockNotFound
 from tiering.core.keys import OffloadKey
+from tiering.tier import auth as _auth
+from tiering.tier.auth import OffLoopWork
 from tiers.redis.errors import RejectedValue
 from tiers.redis.layout import BlockLayout
 from tiers.redis.rejections import RejectionLog
@@ -35,6 +46,64 @@ class Load(NamedTuple):
     key: OffloadKey
     into: memoryview
     live: list[bool]  # [False] once the round trip that queued it has ended
+    #: Where its value is verified and copied (the hashing threads), or None: right away.
+    checks: ChunkChecks | None = None
+
+
+class CheckedLoad:
+    """A reply handed to the hashing threads: what it came to once its checks have waited.
+
+    Until a hashing thread has verified and copied the value, ``outcome`` is
+    an error (never a hit): a check that did not run to its end fails its key.
+    """
+
+    __slots__ = ("header", "outcome")
+
+    def __init__(self) -> None:
+        self.outcome: Any = RuntimeError("the loaded value was not verified")
+        self.header: bytes | None = None
+
+
+class ChunkChecks:
+    """The values of one round trip's replies on their way to the hashing threads.
+
+    Replies are held until about ``OFFLOAD_SLICE_BYTES`` have arrived, then
+    handed over together (one hand-over per slice, not per block). Loop-thread
+    object; :meth:`finish` must be awaited before the round trip's loads end.
+    """
+
+    __slots__ = ("_held", "_held_bytes", "_layout", "_work")
+
+    def __init__(self, layout: BlockLayout) -> None:
+        self._layout = layout
+        self._work = OffLoopWork()
+        self._held: list[tuple[Load, Any, CheckedLoad]] = []
+        self._held_bytes = 0
+
+    def add(self, load: Load, response: Any) -> CheckedLoad:
+        checked = CheckedLoad()
+        self._held.append((load, response, checked))
+        self._held_bytes += len(response)
+        if self._held_bytes >= _auth.OFFLOAD_SLICE_BYTES:
+            self._hand_over()
+        return checked
+
+    def _hand_over(self) -> None:
+        held, self._held, self._held_bytes = self._held, [], 0
+        if held:
+            self._work.submit(functools.partial(_check_slice, self._layout, held))
+
+    async def finish(self, complete: bool) -> None:
+        """Hand over the replies still held (``complete``: the round trip succeeded; else
+        they stay unverified, failures) and wait until no hashing thread touches a
+        destination row any more. Cancellation: as :meth:`OffLoopWork.wait`."""
+        if complete:
+            self._hand_over()
+        else:
+            self._held, self._held_bytes = [], 0
+        # Every reply is parsed: the loop has nothing else to do for these loads, so it
+        # takes its share of what no hashing thread has started.
+        await self._work.wait(help=complete)
 
 
 def load_reply(
@@ -53,6 +122,8 @@ def load_reply(
         return RuntimeError("the load this reply belongs to has ended")
     if response is None:
         return BlockNotFound(load.key)
+    if load.checks is not None:
+        return load.checks.add(load, response)
     try:
         layout.decode_into(load.key, response, load.into)
     except RejectedValue as exc:
@@ -63,6 +134,40 @@ def load_reply(
         return exc
     served_headers[load.key] = response[: layout.header_len]
     return LOADED
+
+
+def _check_slice(layout: BlockLayout, held: list[tuple[Load, Any, CheckedLoad]]) -> None:
+    """Verify replies and copy them into place (a hashing thread: touches only these loads)."""
+    for load, response, checked in held:
+        _check_off_loop(layout, load, response, checked)
+
+
+def _check_off_loop(layout: BlockLayout, load: Load, response: Any, into: CheckedLoad) -> None:
+    """Verify ``response`` and copy it into place (a hashing thread)."""
+    outcome: Any
+    try:
+        layout.decode_into(load.key, response, load.into)
+    except RejectedValue as exc:
+        exc.value_sha1 = hashlib.sha1(response, usedforsecurity=False).hexdigest()
+        outcome = exc
+    except Exception as exc:
+        outcome = exc
+    else:
+        into.header = response[: layout.header_len]
+        outcome = LOADED
+    into.outcome = outcome
+
+
+def settle_checked(
+    served_headers: MutableMapping[OffloadKey, bytes], key: OffloadKey, reply: Any
+) -> Any:
+    """The outcome of ``reply`` (a :class:`CheckedLoad` once its checks have waited, or any
+    other reply as it is); a verified value's header is kept in ``served_headers``."""
+    if type(reply) is not CheckedLoad:
+        return reply
+    if reply.outcome is LOADED and reply.header is not None:
+        served_headers[key] = reply.header
+    return reply.outcome
 
 
 @dataclass

@@ -30,12 +30,14 @@ from typing import Any
 from tiering.core.errors import ConfigError, PartialBatchError
 from tiering.core.keys import OffloadKey
 from tiering.tier import AsyncTier, TierContext
+from tiering.tier import auth as _auth
+from tiering.tier.auth import OffLoopWork
 from tiers.redis.config import RedisTierConfig
 from tiers.redis.connection import build_client, translate
 from tiers.redis.deletes import delete_if_header, delete_rejected
 from tiers.redis.errors import RedisTierCommandError, RedisTierTimeout, RedisTierUnavailable
-from tiers.redis.layout import BlockLayout, ValueBuffers
-from tiers.redis.loads import Load, LoadOutcomes, load_reply
+from tiers.redis.layout import BlockLayout, ValueBuffers, encode_off_loop
+from tiers.redis.loads import ChunkChecks, Load, LoadOutcomes, load_reply, settle_checked
 from tiers.redis.opening import start_error
 from tiers.redis.rejections import RejectionLog
 from tiers.redis.round_trips import RoundTrips
@@ -209,8 +211,12 @@ class RedisTier(AsyncTier):
         ``CorruptBlock``), counted by reason, logged (rate limited) and deleted
         if the server still holds that same value, so no engine finds it
         again. Failures are collected into one
-        :class:`PartialBatchError`. Cancellation: the connection is dropped;
-        destination rows may be partly written.
+        :class:`PartialBatchError`. With an auth key, a chunk of at least
+        ``OFFLOAD_MIN_BYTES`` is verified and copied on the hashing threads of
+        :mod:`tiering.tier.auth` as its replies arrive (on machines with at least
+        ``OFFLOAD_MIN_CPUS`` CPUs). Cancellation: the
+        connection is dropped; destination rows may be partly written; returns
+        only once no hashing thread writes into them any more.
         """
         if len(keys) != len(into):
             raise ValueError(f"{len(keys)} keys but {len(into)} destination buffers")
@@ -223,8 +229,9 @@ class RedisTier(AsyncTier):
             # pipeline that outlived a failed or cancelled round trip) must not write
             # into ``into``.
             live = [True]
+            checks = ChunkChecks(layout) if self._off_loop(len(chunk)) else None
             loads = [
-                (layout.redis_key(k), Load(k, dest, live))
+                (layout.redis_key(k), Load(k, dest, live, checks))
                 for k, dest in zip(chunk, into[lo:hi], strict=True)
             ]
 
@@ -235,17 +242,22 @@ class RedisTier(AsyncTier):
                     else:
                         pipe.execute_command("GETEX", name, "PX", ttl_ms, kvt_load=load)
 
+            complete = False
             try:
                 replies = await self._round_trips.run("GET", fill)
+                complete = True
             except Exception as exc:
                 outcomes.fail(chunk, exc)
                 continue
             finally:
                 live[0] = False
+                if checks is not None:  # hashing threads may still write into ``into``
+                    await checks.finish(complete)
                 served = self._served_headers
                 while len(served) > self._max_served_headers:
                     served.popitem(last=False)
             for key, reply in zip(chunk, replies, strict=True):
+                reply = settle_checked(self._served_headers, key, reply)
                 outcomes.sort(key, reply, self._translate)
         outcomes.count(self.stats, layout.block_bytes, self._rejections)
         gone, corrupt = outcomes.gone, outcomes.corrupt
@@ -263,8 +275,12 @@ class RedisTier(AsyncTier):
         complete: never readable half written. Refusals (``OOM`` under
         ``maxmemory`` with ``noeviction``, ...) fail their keys with
         :class:`RedisTierCommandError`, collected into one
-        :class:`PartialBatchError`. Cancellation: the connection is dropped;
-        each block is absent or complete.
+        :class:`PartialBatchError`. With an auth key, a chunk of at least
+        ``OFFLOAD_MIN_BYTES`` is tagged and encoded on the hashing threads of
+        :mod:`tiering.tier.auth` and the loop (on machines with at least
+        ``OFFLOAD_MIN_CPUS`` CPUs). Cancellation: the connection is dropped;
+        each block is absent or complete; returns only once no hashing thread
+        reads ``data`` any more.
         """
         if len(keys) != len(data):
             raise ValueError(f"{len(keys)} keys but {len(data)} source buffers")
@@ -280,10 +296,15 @@ class RedisTier(AsyncTier):
                 for key in chunk:
                     served.pop(key, None)
             taken = [buffers.take() for _ in chunk]
-            commands = [
-                (layout.redis_key(k), layout.encode_into(k, d, value))
-                for k, d, value in zip(chunk, data[lo:hi], taken, strict=True)
-            ]
+            names = [layout.redis_key(k) for k in chunk]
+            if not self._off_loop(len(chunk)):
+                values = [
+                    layout.encode_into(k, d, value)
+                    for k, d, value in zip(chunk, data[lo:hi], taken, strict=True)
+                ]
+            else:
+                values = await encode_off_loop(layout, OffLoopWork(), chunk, data[lo:hi], taken)
+            commands = list(zip(names, values, strict=True))
 
             def fill(pipe: Any, commands: list[tuple[bytes, memoryview]] = commands) -> None:
                 # execute_command, not pipe.set: set()'s argument checks cost more per
@@ -386,6 +407,13 @@ class RedisTier(AsyncTier):
         if isinstance(error, RedisTierCommandError) and error.out_of_memory:
             self.stats.out_of_memory_rejections += 1
         return error
+
+    def _off_loop(self, blocks: int) -> bool:
+        """Whether a chunk of ``blocks`` blocks is tagged or verified on the hashing threads
+        (with an auth key, where :func:`~tiering.tier.auth.offload_pays`) rather than on
+        the loop thread."""
+        layout = self._require_layout()
+        return layout.authenticated and _auth.offload_pays(blocks * layout.block_bytes)
 
     def _load_reply(self, response: Any, **options: Any) -> Any:
         """redis-py's response callback for ``GET``/``GETEX`` on this tier's client.
