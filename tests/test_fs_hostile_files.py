@@ -19,7 +19,7 @@ import pytest
 
 from tiering.core.errors import BlockNotFound, ConfigError, PartialBatchError
 from tiering.core.keys import OffloadKey
-from tiers.fs import FileSystemTier
+from tiers.fs import FileSystemTier, FsTierStats
 from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.files import UnsafeFileError
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME, LOCK_NAME
@@ -243,8 +243,13 @@ async def test_the_timer_notices_a_deleted_journal_and_header(
     root = tmp_path / "cache"
     tier = make_tier(root)
     noticed = asyncio.Event()
-    count = tier._count_deletion
-    monkeypatch.setattr(tier, "_count_deletion", lambda: (count(), noticed.set()))
+    count = FsTierStats.count_deletion
+
+    def count_and_tell(stats: FsTierStats) -> None:
+        count(stats)
+        noticed.set()
+
+    monkeypatch.setattr(FsTierStats, "count_deletion", count_and_tell)
     async with opened(root, tier=tier):
         await write_keys(tier, [key(1), key(2)])
         (root / JOURNAL_NAME).unlink()

@@ -385,7 +385,6 @@ class SchedulerSide(SecondaryTierManager):
         counters = self._counters()
         capacity = self._capacity_blocks()
         submitted = self._store_jobs + self._load_jobs
-        finished = counters.jobs_succeeded + counters.jobs_failed
         return TierStats(
             name=self.name,
             tier_type=self.tier_type,
@@ -396,7 +395,7 @@ class SchedulerSide(SecondaryTierManager):
             load_jobs_submitted=self._load_jobs,
             jobs_succeeded=counters.jobs_succeeded,
             jobs_failed=counters.jobs_failed,
-            jobs_in_flight=max(0, submitted - finished),
+            jobs_in_flight=max(0, submitted - counters.jobs_succeeded - counters.jobs_failed),
             blocks_stored=counters.blocks_stored,
             blocks_loaded=counters.blocks_loaded,
             bytes_stored=counters.bytes_stored,
