@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -121,6 +122,45 @@ def test_mailbox_delivers_every_post_in_order_from_several_threads() -> None:
         assert done.wait(10)
         for t in range(4):
             assert [i for (tt, i) in got if tt == t] == list(range(5000))
+    box.close()
+
+
+def test_a_busy_loop_runs_a_post_only_once_the_scheduler_lets_go_of_the_gil() -> None:
+    """A post returns without running anything and without handing the loop the GIL: a
+    busy loop thread (a task spinning in pure Python between turns) runs the item only
+    once the posting thread blocks (here: waiting on an Event), never in the middle of
+    its step. (What the GIL-holding wake-up saves a real scheduler is measured by
+    ``benchmarks/backpressure.py``; see tiering/runtime/mailbox.py.)"""
+    interval = sys.getswitchinterval()
+    stop = threading.Event()
+
+    async def spin() -> None:
+        while not stop.is_set():
+            deadline = time.perf_counter() + 0.0001
+            while time.perf_counter() < deadline:
+                pass
+            await asyncio.sleep(0)
+
+    with LoopThread("mailbox-gil") as portal:
+        box = Mailbox(portal.loop)
+        portal.call(asyncio.sleep, 0)  # the loop has run its turn: it watches the pipe
+        portal.call_soon(lambda: portal.loop.create_task(spin()))
+        ran = threading.Event()
+        sys.setswitchinterval(5.0)  # no forced GIL switch within this test's step
+        try:
+            time.sleep(0.01)  # the spinner runs; back from sleep, this thread holds the GIL
+            box.post(lambda _: ran.set(), None)
+            during_post = ran.is_set()
+            deadline = time.perf_counter() + 0.05
+            while time.perf_counter() < deadline:  # the rest of the step: pure Python
+                pass
+            during_step = ran.is_set()
+        finally:
+            sys.setswitchinterval(interval)
+            stop.set()
+        assert ran.wait(10)  # the scheduler blocks: the loop runs the item now
+    box.close()
+    assert not during_post and not during_step
 
 
 async def test_limiter_grants_in_arrival_order_and_never_exceeds_capacity() -> None:

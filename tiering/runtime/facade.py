@@ -165,6 +165,7 @@ class AsyncTierManager(SchedulerSide):
                 logger.exception("tier %s: closing after a failed open failed", self.name)
             finally:
                 self._thread.close(self.shutdown_timeout_s)
+                self._mailbox.close()
                 self._flat.release()
             raise
         service = self._service
@@ -224,6 +225,7 @@ class AsyncTierManager(SchedulerSide):
             logger.exception("tier %s: shutting down the tier failed", self.name)
         finally:
             self._thread.close(max(1.0, budget_s * 0.2))
+            self._mailbox.close()
 
 
 def _collect_young_generation(_: None) -> None:
