@@ -391,7 +391,21 @@ def main() -> None:
         "already installed",
     )
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--roots",
+        default=None,
+        help="N[,N...]: one tier striped over N throttled loop devices instead "
+        "(benchmarks/fs_striping.py, which takes the other options of that run)",
+    )
+    args, rest = parser.parse_known_args()
+    if args.roots is not None:
+        from benchmarks import fs_striping
+
+        sys.argv = [fs_striping.__file__, "--roots", args.roots, *rest]
+        fs_striping.main()
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if args.quick:
         args.total_mib, args.skip_vllm, args.gil_s, args.reps = 256, True, 1.5, 1
