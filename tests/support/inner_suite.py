@@ -8,27 +8,31 @@ the inner suite skipped or deselected anything: it is the project's evidence.
 
 The inner suites are processes of their own and take minutes, while the rest
 of the suite is one pytest process on one core. So when the session collects
-an outer test (``INNER_SUITE`` in its module), :func:`start_selected` starts its
-suite as soon as collection ends, one suite after another on a background
-thread and at a lower CPU priority (``nice``): the other tests run meanwhile on
-the other core and keep precedence, and the outer test only waits for its
-suite's verdict. Children still running when the session ends are killed.
+outer tests (``INNER_SUITE`` in their modules), :func:`start_selected` starts
+one driver process (``python -m tests.support.inner_suite``, at ``nice`` 10)
+that builds and runs their suites one after another and writes each verdict
+to a file; the other tests run meanwhile on the other core and keep
+precedence, and each outer test waits for the driver. No thread is added to
+the pytest process (tests compare its threads before and after), and the
+driver's process group is killed if the session ends first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import signal
 import subprocess
-import threading
+import sys
+import tempfile
 from collections.abc import Iterable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
-#: Added niceness of the background suites' processes (the other tests keep precedence).
+#: Added niceness of the background suites (the other tests keep precedence).
 NICENESS = 10
 
 
@@ -41,7 +45,6 @@ class InnerSuite:
     build_timeout_s: float
     inner_timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
-    _result: Future[str] | None = None
 
     def run(self) -> str:
         """Build the environment and run the suite: its output; AssertionError if not clean."""
@@ -66,10 +69,11 @@ class InnerSuite:
         return output
 
     def verdict(self) -> str:
-        """The suite's output once it passed (started now if it was not in the background)."""
-        if self._result is None:
+        """The suite's output once it passed: from the background driver, or run now."""
+        driver = _driver
+        if driver is None or self.suite not in driver.suites:
             return self.run()
-        return self._result.result()
+        return driver.verdict(self.suite)
 
 
 def build_environment(builder: str, timeout_s: float) -> str:
@@ -82,63 +86,95 @@ def build_environment(builder: str, timeout_s: float) -> str:
     return python
 
 
-_children: set[subprocess.Popen[str]] = set()
-_children_lock = threading.Lock()
-
-
 def _run(command: list[str], timeout_s: float, env: dict[str, str] | None) -> tuple[int, str, str]:
-    """Run ``command`` at lower priority; (exit code, stdout, stderr). Killed on timeout."""
-    process = subprocess.Popen(
-        ["nice", "-n", str(NICENESS), *command],  # not preexec_fn: this runs beside threads
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    with _children_lock:
-        _children.add(process)
+    """Run ``command``; (exit code, stdout, stderr). Killed on timeout."""
     try:
-        stdout, stderr = process.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        stdout, stderr = process.communicate()
-        stderr += f"\n(killed after {timeout_s:.0f} s)"
-        return -9, stdout, stderr
-    finally:
-        with _children_lock:
-            _children.discard(process)
-    return process.returncode, stdout, stderr
+        done = subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return -9, out, f"(killed after {timeout_s:.0f} s)"
+    return done.returncode, done.stdout, done.stderr
 
 
-def start_selected(items: Iterable[pytest.Item]) -> None:
-    """Start the inner suites of the selected outer tests, in order, on one background thread."""
+class _Driver:
+    """The background process running the selected suites, and where it writes verdicts."""
+
+    def __init__(self, suites: list[InnerSuite]) -> None:
+        self.suites = {suite.suite: suite for suite in suites}
+        self._dir = Path(tempfile.mkdtemp(prefix="kvt-inner-suites-"))
+        (self._dir / "suites.json").write_text(json.dumps([asdict(s) for s in suites]))
+        self._timeout_s = sum(s.build_timeout_s + s.inner_timeout_s for s in suites)
+        self._process = subprocess.Popen(
+            [*("nice", "-n", str(NICENESS), sys.executable), "-m", __name__, str(self._dir)],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: killed as one
+        )
+
+    def verdict(self, suite: str) -> str:
+        try:
+            self._process.wait(timeout=self._timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"the inner suites did not finish in {self._timeout_s:.0f} s"
+            ) from None
+        result = self._dir / f"{_file_name(suite)}.json"
+        if not result.exists():
+            raise AssertionError(f"the inner-suite driver exited {self._process.returncode}")
+        verdict = json.loads(result.read_text())
+        if not verdict["passed"]:
+            raise AssertionError(verdict["output"])
+        output: str = verdict["output"]
+        return output
+
+    def kill(self) -> None:
+        """Kill the driver's process group if it still runs; remove its directory."""
+        if self._process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_driver: _Driver | None = None
+
+
+def _file_name(suite: str) -> str:
+    return suite.replace("/", "_")
+
+
+def start_selected(items: Iterable[object]) -> None:
+    """Start the driver for the inner suites of the selected outer tests (in their order)."""
+    global _driver
     suites: list[InnerSuite] = []
     for item in items:
         suite = getattr(getattr(item, "module", None), "INNER_SUITE", None)
         if isinstance(suite, InnerSuite) and suite not in suites:
             suites.append(suite)
-    if not suites:
-        return
-    for suite in suites:
-        suite._result = Future()
-
-    def run_all() -> None:
-        for suite in suites:
-            assert suite._result is not None
-            if not suite._result.set_running_or_notify_cancel():
-                continue
-            try:
-                suite._result.set_result(suite.run())
-            except BaseException as exc:  # the outer test re-raises it
-                suite._result.set_exception(exc)
-
-    threading.Thread(target=run_all, name="inner-suites", daemon=True).start()
+    if suites:
+        _driver = _Driver(suites)
 
 
 def stop_children() -> None:
-    """Kill inner suites still running (the session is ending)."""
-    with _children_lock:
-        running = list(_children)
-    for process in running:
-        process.kill()
+    """Kill the driver and its suites if still running (the session is ending)."""
+    if _driver is not None:
+        _driver.kill()
+
+
+def _main(directory: Path) -> None:
+    """The driver: run each suite in ``directory/suites.json``, one verdict file each."""
+    for spec in json.loads((directory / "suites.json").read_text()):
+        suite = InnerSuite(**spec)
+        try:
+            verdict = {"passed": True, "output": suite.run()}
+        except AssertionError as exc:
+            verdict = {"passed": False, "output": str(exc)}
+        (directory / f"{_file_name(suite.suite)}.json").write_text(json.dumps(verdict))
+
+
+if __name__ == "__main__":
+    _main(Path(sys.argv[1]))
