@@ -10,8 +10,8 @@ The inner suites are processes of their own and take minutes, while the rest
 of the suite is one pytest process on one core. So when the session collects
 outer tests (``INNER_SUITE`` in their modules), :func:`start_selected` starts
 one driver process (``python -m tests.support.inner_suite``, at ``nice`` 10)
-that builds and runs their suites one after another and writes each verdict
-to a file; the other tests run meanwhile on the other core and keep
+that builds their environments (all at once) and runs their suites one after
+another, writing each verdict to a file; the other tests run meanwhile on the other core and keep
 precedence, and each outer test waits for the driver. No thread is added to
 the pytest process (tests compare its threads before and after), and the
 driver's process group is killed if the session ends first.
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,9 +47,13 @@ class InnerSuite:
     inner_timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
 
-    def run(self) -> str:
-        """Build the environment and run the suite: its output; AssertionError if not clean."""
-        python = build_environment(self.builder, self.build_timeout_s)
+    def run(self, python: str | None = None) -> str:
+        """Run the suite (building its environment unless ``python`` is given): its output.
+
+        AssertionError if the build fails or the suite is not a clean pass.
+        """
+        if python is None:
+            python = build_environment(self.builder, self.build_timeout_s)
         inner_env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -166,11 +171,17 @@ def stop_children() -> None:
 
 
 def _main(directory: Path) -> None:
-    """The driver: run each suite in ``directory/suites.json``, one verdict file each."""
-    for spec in json.loads((directory / "suites.json").read_text()):
-        suite = InnerSuite(**spec)
+    """The driver: run each suite in ``directory/suites.json``, one verdict file each.
+
+    The environments are built first, all at once (downloads and installs, on a fresh
+    machine), then the suites run one after another (each keeps a core busy).
+    """
+    suites = [InnerSuite(**spec) for spec in json.loads((directory / "suites.json").read_text())]
+    with ThreadPoolExecutor(len(suites)) as pool:
+        builds = [pool.submit(build_environment, s.builder, s.build_timeout_s) for s in suites]
+    for suite, build in zip(suites, builds, strict=True):
         try:
-            verdict = {"passed": True, "output": suite.run()}
+            verdict = {"passed": True, "output": suite.run(build.result())}
         except AssertionError as exc:
             verdict = {"passed": False, "output": str(exc)}
         (directory / f"{_file_name(suite.suite)}.json").write_text(json.dumps(verdict))
