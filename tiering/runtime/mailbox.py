@@ -69,7 +69,9 @@ class Mailbox:
         self._loop = loop
         self._items: deque[tuple[Callable[[Any], object], Any]] = deque()
         self._wake_pending = False
-        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._read_fd, self._write_fd = os.pipe()  # not inherited by children (PEP 446)
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
         loop.call_soon_threadsafe(loop.add_reader, self._read_fd, self._on_wake)
 
     def post(self, fn: Callable[[Any], object], arg: Any) -> None:
