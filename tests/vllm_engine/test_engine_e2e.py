@@ -132,7 +132,14 @@ def run_engine(
     }
     spec_path = workdir / f"{name}.run.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    sockets = workdir / "ipc"  # vLLM's ZMQ sockets, left behind by each engine: removed with it
+    sockets.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_RPC_BASE_PATH": str(sockets),
+    }
     log = workdir / f"{name}.log"
     with log.open("w") as out:
         done = subprocess.run(
