@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,6 +56,18 @@ def test_hung_self_test_fails_and_is_not_cached(private_cache: Path) -> None:
     assert not verdict.ok and verdict.reason is not None
     assert "did not finish in 0.5 s" in verdict.reason
     assert not (private_cache / "native-probes.json").exists()
+
+
+def test_a_self_test_killed_midway_leaves_no_files_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # where the child would make its own
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # and this process
+    verdict = probe_in_child("fake", f"{TARGETS}:crashes_leaving_a_temporary_directory")
+    assert not verdict.ok and verdict.reason is not None and "SIGKILL" in verdict.reason
+    assert list(temp.iterdir()) == []  # the child's directory went with the probe's
 
 
 def test_a_verdict_is_remembered_for_the_process() -> None:

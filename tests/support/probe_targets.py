@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 
 
@@ -22,3 +23,11 @@ def crashes_with_sigill() -> None:
 
 def hangs() -> None:
     time.sleep(3600)
+
+
+def crashes_leaving_a_temporary_directory() -> None:
+    """A self-test killed in the middle of its work, its temporary files left behind."""
+    scratch = tempfile.mkdtemp(prefix="self-test-")
+    with open(os.path.join(scratch, "probe.bin"), "wb") as f:
+        f.write(bytes(4096))
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,7 +154,17 @@ def _describe_exit(returncode: int, stderr: str) -> str:
 
 
 def _run_child(target: str, timeout_s: float) -> ProbeVerdict | None:
-    env = dict(os.environ, **{CHILD_ENV: "1"})
+    # The child's temporary files go in a directory this process removes: a child that
+    # crashes or is killed at the timeout cannot clean up after itself.
+    scratch = tempfile.mkdtemp(prefix="kv-tiering-probe-")
+    env = dict(os.environ, **{CHILD_ENV: "1", "TMPDIR": scratch})
+    try:
+        return _child_verdict(target, timeout_s, env)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _child_verdict(target: str, timeout_s: float, env: dict[str, str]) -> ProbeVerdict | None:
     try:
         done = subprocess.run(
             [sys.executable, "-c", _CHILD_CODE, json.dumps(sys.path), target],
