@@ -58,7 +58,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.support.common import KIB, MIB, REPO
+from benchmarks.support.common import (
+    KIB,
+    MIB,
+    REPO,
+    add_auth_offload_options,
+    apply_auth_offload_options,
+)
 from benchmarks.support.fio import ensure_fio
 from benchmarks.support.fs_ceilings import (
     RAW_CEILINGS,
@@ -80,7 +86,6 @@ from benchmarks.support.fs_drive import (
 )
 from tiering.core.jobs import JobMetadata
 from tiering.support.native_probe import describe_cpu
-from tiering.tier import auth
 
 VLLM_ENV_BUILDER = REPO / "scripts" / "vllm_env.sh"
 CASES = {"2MiB": 2 * MIB, "64KiB": 64 * KIB}
@@ -368,21 +373,7 @@ def main() -> None:
         help="vLLM's harness script drive_fs_tier.py, run in the environment "
         "scripts/vllm_env.sh builds for the vLLM columns (default: none, not measured)",
     )
-    parser.add_argument(
-        "--auth-offload-min-kib",
-        type=int,
-        default=None,
-        help="tag/verify batches of at least this many KiB on the hashing threads "
-        "(tiering.tier.auth.OFFLOAD_MIN_BYTES; default: the library's; a huge value keeps "
-        "every tag on the tier's loop thread)",
-    )
-    parser.add_argument(
-        "--auth-offload-min-cpus",
-        type=int,
-        default=None,
-        help="use the hashing threads only with at least this many CPUs "
-        "(tiering.tier.auth.OFFLOAD_MIN_CPUS; default: the library's)",
-    )
+    add_auth_offload_options(parser)
     parser.add_argument("--quick", action="store_true", help="256 MiB per case, no vLLM")
     parser.add_argument(
         "--smoke",
@@ -413,10 +404,7 @@ def main() -> None:
         args.total_mib, args.skip_vllm, args.gil_s, args.reps = 8, True, 0.2, 1
         args.job_blocks, args.jobs_in_flight, args.queue_depth = 4, 2, 4
     logging.basicConfig(level=logging.WARNING)
-    if args.auth_offload_min_kib is not None:
-        auth.OFFLOAD_MIN_BYTES = args.auth_offload_min_kib * KIB
-    if args.auth_offload_min_cpus is not None:
-        auth.OFFLOAD_MIN_CPUS = args.auth_offload_min_cpus
+    apply_auth_offload_options(args)
     backends, skipped = available_backends(args.backend)
     for backend, reason in skipped.items():
         print(f"# backend {backend} is not usable here: {reason}", flush=True)

@@ -56,10 +56,17 @@ import redis.asyncio as aioredis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.support.common import KIB, MIB, pct, scheduler_batches
+from benchmarks.support.common import (
+    KIB,
+    MIB,
+    add_auth_offload_options,
+    apply_auth_offload_options,
+    pct,
+    scheduler_batches,
+)
 from tests.support.redis_server import RedisServer
 from tiering.core.keys import OffloadKey, make_offload_key
-from tiering.tier import TierContext, auth
+from tiering.tier import TierContext
 from tiers.redis import RedisTier
 from tiers.redis import layout as redis_layout
 from tiers.redis.connection import build_client
@@ -343,21 +350,7 @@ def main(argv: list[str] | None = None) -> None:
         default=6.0,
         help="seconds per scheduler-slowdown measurement (0: skip that table)",
     )
-    parser.add_argument(
-        "--auth-offload-min-kib",
-        type=int,
-        default=None,
-        help="tag/verify chunks of at least this many KiB on the hashing threads "
-        "(tiering.tier.auth.OFFLOAD_MIN_BYTES; default: the library's; a huge value keeps "
-        "every tag on the tier's loop thread)",
-    )
-    parser.add_argument(
-        "--auth-offload-min-cpus",
-        type=int,
-        default=None,
-        help="use the hashing threads only with at least this many CPUs "
-        "(tiering.tier.auth.OFFLOAD_MIN_CPUS; default: the library's)",
-    )
+    add_auth_offload_options(parser)
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -366,10 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.total_mib, args.job_mib, args.reps, args.scheduler_s = 2, 1, 1, 0.4
-    if args.auth_offload_min_kib is not None:
-        auth.OFFLOAD_MIN_BYTES = args.auth_offload_min_kib * KIB
-    if args.auth_offload_min_cpus is not None:
-        auth.OFFLOAD_MIN_CPUS = args.auth_offload_min_cpus
+    apply_auth_offload_options(args)
     os.environ[AUTH_ENV] = secrets.token_urlsafe(32)
     asyncio.run(main_async(args))
 

@@ -9,6 +9,7 @@ environment one of the ``scripts/`` builders makes (the vLLM benchmarks).
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import os
 import statistics
@@ -104,3 +105,32 @@ def reexec_in_env(builder: str, env: dict[str, str]) -> NoReturn:
         sys.exit(f"scripts/{builder} failed; see its log above")
     python = done.stdout.strip().splitlines()[-1]
     os.execve(python, [python, *sys.argv], {**os.environ, "PYTHONPATH": str(REPO), **env})
+
+
+def add_auth_offload_options(parser: argparse.ArgumentParser) -> None:
+    """``--auth-offload-min-kib`` / ``--auth-offload-min-cpus``: where authentication tags run."""
+    parser.add_argument(
+        "--auth-offload-min-kib",
+        type=int,
+        default=None,
+        help="tag/verify batches of at least this many KiB on the hashing threads "
+        "(tiering.tier.auth.OFFLOAD_MIN_BYTES; default: the library's; a huge value keeps "
+        "every tag on the tier's loop thread)",
+    )
+    parser.add_argument(
+        "--auth-offload-min-cpus",
+        type=int,
+        default=None,
+        help="use the hashing threads only with at least this many CPUs "
+        "(tiering.tier.auth.OFFLOAD_MIN_CPUS; default: the library's)",
+    )
+
+
+def apply_auth_offload_options(args: argparse.Namespace) -> None:
+    """Set the library's thresholds from :func:`add_auth_offload_options`' options."""
+    from tiering.tier import auth
+
+    if args.auth_offload_min_kib is not None:
+        auth.OFFLOAD_MIN_BYTES = args.auth_offload_min_kib * KIB
+    if args.auth_offload_min_cpus is not None:
+        auth.OFFLOAD_MIN_CPUS = args.auth_offload_min_cpus
