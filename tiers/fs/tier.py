@@ -202,14 +202,14 @@ class FileSystemTier(AsyncTier):
     async def _watch_roots(self) -> None:
         """Check the roots every CHECK_INTERVAL_S and probe those out of service.
 
-        Cancellation (the tier closing): stops at once; a probe's open in its
-        thread is closed again when it ends.
+        Cancellation (the tier closing): stops at once; a probe's open is closed when it ends.
         """
-        for tick in itertools.count(1):
+        every = round(PROBE_INTERVAL_S / CHECK_INTERVAL_S)
+        for tick in itertools.count(1):  # each root's own watch checks its files meanwhile
             await asyncio.sleep(CHECK_INTERVAL_S)
-            await self.check_roots(probe=tick % round(PROBE_INTERVAL_S / CHECK_INTERVAL_S) == 0)
+            await self.check_roots(probe=tick % every == 0, check_files=False)
 
-    async def check_roots(self, probe: bool = True) -> None:
+    async def check_roots(self, probe: bool = True, check_files: bool = True) -> None:
         """Take out roots whose deletion watch refuses stores; with ``probe``, try the others.
 
         A root out of service is opened again only if its own cache is still
@@ -218,7 +218,7 @@ class FileSystemTier(AsyncTier):
         open in progress is closed again when its thread ends.
         """
         roots = self._roots
-        for root in roots.in_service():
+        for root in roots.in_service() if check_files else ():  # files checked now
             await root.state.watch.check()  # type: ignore[union-attr]
         for root in roots.refusing_roots():
             refusing = root.state.watch.refusing  # type: ignore[union-attr]
