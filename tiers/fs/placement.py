@@ -33,15 +33,6 @@ def root_seed(root: str) -> int:
     return xxhash.xxh3_64_intdigest(root.encode("utf-8", "surrogateescape"))
 
 
-def ranked_roots(key: bytes, seeds: Sequence[int], weights: Sequence[float]) -> list[int]:
-    """Indices of the roots in order of preference for ``key`` (best first)."""
-    scores = []
-    for i, (seed, weight) in enumerate(zip(seeds, weights, strict=True)):
-        scores.append((-weight / math.log(_uniform(key, seed)), i))  # the weighted score
-    scores.sort(reverse=True)
-    return [i for _, i in scores]
-
-
 def place(
     key: bytes, seeds: Sequence[int], weights: Sequence[float], live: Sequence[bool]
 ) -> int | None:
