@@ -91,11 +91,27 @@ def test_block_ids_are_frozen_int64_copies() -> None:
         ([1.5], TypeError, "must be integers"),
         ([True, False], TypeError, "must be integers"),
         (["1"], TypeError, "must be integers"),
+        ([2**70], TypeError, "must be integers"),  # beyond int64
+        ((1, 2**70), TypeError, "must be integers"),
+        (np.array([3, -1], dtype=np.int64), ValueError, "non-negative"),
+        (np.array([[1]], dtype=np.int64), ValueError, "one-dimensional"),
     ],
 )
 def test_block_ids_validation(block_ids: object, error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         as_block_ids(block_ids)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [3, 200])  # the small-input fast paths and the general one
+def test_block_ids_are_a_frozen_copy_of_the_input(size: int) -> None:
+    source = np.arange(size, dtype=np.int64)
+    for form in (source, source.tolist(), tuple(source.tolist())):
+        ids = as_block_ids(form)
+        assert ids.dtype == np.int64 and ids.tolist() == list(range(size))
+        assert not ids.flags.writeable and as_block_ids(ids) is ids
+    ids = as_block_ids(source)
+    source[0] = 99  # the caller's array changes later: the validated ids do not
+    assert ids[0] == 0
 
 
 def test_validated_block_ids_pass_through_and_anything_else_is_checked() -> None:
@@ -202,3 +218,16 @@ def test_error_hierarchy_and_messages() -> None:
 def test_package_exports_the_contract_without_torch() -> None:
     for name in tiering.__all__:
         assert hasattr(tiering, name), name
+
+
+@given(st.lists(st.integers(min_value=-(2**65), max_value=2**65), max_size=80))
+def test_block_ids_of_any_int_list_are_those_ints_or_an_error(values: list[int]) -> None:
+    """The small-input fast paths answer as the general path does, on either side of 64 ids."""
+    if any(v < 0 or v >= 2**63 for v in values):
+        with pytest.raises((ValueError, TypeError)):
+            as_block_ids(values)
+        with pytest.raises((ValueError, TypeError)):
+            as_block_ids(tuple(values))
+        return
+    for form in (values, tuple(values), np.array(values, dtype=np.int64)):
+        assert as_block_ids(form).tolist() == values
