@@ -23,9 +23,11 @@ def test_the_backpressure_benchmark_counts_every_dropped_block() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     verdicts = [line for line in proc.stdout.splitlines() if line.startswith("verdict: ")]
-    assert len(verdicts) == 5, proc.stdout
+    assert len(verdicts) == 6, proc.stdout
     assert "in Prometheus (same moment): ok" in verdicts[0]
     assert "offered = stored + dropped for the throttled tier" in verdicts[1]
     assert verdicts[1].endswith(": ok")
     # How much the throttled tier drops depends on the machine's pace: printed, not asserted.
-    assert any(line.lstrip().startswith("throttled") for line in proc.stdout.splitlines())
+    rows = [line.lstrip() for line in proc.stdout.splitlines()]
+    assert any(row.startswith("throttled ") for row in rows)
+    assert any(row.startswith("throttled, tier between steps ") for row in rows)

@@ -92,8 +92,11 @@ SMOKES: dict[str, Smoke] = {
             r"^verdict: refused offloads counted: [\d,]+ ",
             r"^verdict: throttled step p99 [\d.]+x of steps alone \(target <= 1\.25x\): "
             r"(ok|ABOVE)$",
+            r"^verdict: throttled step p99 [\d.]+x of the same steps with the tier working "
+            r"only between them .*: (ok|ABOVE)$",
             r"^verdict: throttled step p99 [\d.]+x of the unthrottled tier's .*: (ok|ABOVE)$",
             r"^\s+throttled\s+[\d,]+\s+[\d,]+\s+[\d,]+\s+[\d,]+\s+[\d.]+%",
+            r"^\s*throttled, tier between steps\s+[\d,]+\s+[\d,]+\s+[\d,]+\s+[\d,]+\s+[\d.]+%",
         ),
         weight=7,
     ),
