@@ -1,4 +1,4 @@
-"""The block tags of :mod:`tiering.tier.auth`: both MACs as specified, and what they bind."""
+"""The block tags of :mod:`tiering.tier.auth`: every MAC as specified, and what it binds."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import struct
 
 import blake3
 import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tiering.core.errors import ConfigError
-from tiering.tier.auth import BlockAuthenticator, authenticator_from_options
+from tiering.tier.auth import MAC_NAMES, BlockAuthenticator, authenticator_from_options
 
 SECRET = b"s" * 32
 
@@ -26,8 +27,87 @@ def test_keyed_blake3_is_the_documented_construction() -> None:
         SECRET, derive_key_context="kv-tiering 2026-11 block authentication tag v1"
     ).digest(32)
     data = expected_input(b"key", b"fp", b"payload" * 1000)
-    tag = BlockAuthenticator(SECRET, "test").tag(b"key", b"fp", b"payload" * 1000)
+    tag = BlockAuthenticator(SECRET, "test", "blake3").tag(b"key", b"fp", b"payload" * 1000)
     assert tag == blake3.blake3(data, key=derived).digest(16)
+
+
+def _gf128_mul(x: int, y: int) -> int:
+    """Multiplication in GCM's GF(2^128) (NIST SP 800-38D, algorithm 1; bit 0 is the MSB)."""
+    r, z, v = 0xE1 << 120, 0, y
+    for i in range(127, -1, -1):
+        if (x >> i) & 1:
+            z ^= v
+        v = (v >> 1) ^ r if v & 1 else v >> 1
+    return z
+
+
+def _reference_gcm_tag(key: bytes, nonce: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    """AES-256-GCM's tag written out from SP 800-38D with AES-ECB only (no GCM code)."""
+    aes = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+
+    def block(data: bytes) -> int:
+        return int.from_bytes(aes.update(data), "big")
+
+    h = block(bytes(16))
+    j0 = nonce + b"\x00\x00\x00\x01"
+    counter = int.from_bytes(j0[12:], "big")
+    stream = b"".join(
+        aes.update(nonce + ((counter + 1 + i) % 2**32).to_bytes(4, "big"))
+        for i in range((len(plaintext) + 15) // 16)
+    )
+    ciphertext = bytes(a ^ b for a, b in zip(plaintext, stream, strict=False))
+
+    def padded(data: bytes) -> bytes:
+        return data + bytes(-len(data) % 16)
+
+    lengths = struct.pack(">QQ", 8 * len(aad), 8 * len(ciphertext))
+    ghash = 0
+    stream_in = padded(aad) + padded(ciphertext) + lengths
+    for i in range(0, len(stream_in), 16):
+        ghash = _gf128_mul(ghash ^ int.from_bytes(stream_in[i : i + 16], "big"), h)
+    return (ghash ^ block(j0)).to_bytes(16, "big")
+
+
+def test_ghash_blake3_is_the_documented_construction() -> None:
+    """The default tag: keyed BLAKE3 (PRF) of the AES-256-GCM tag of the payload (associated
+    data) and the length-prefixed key and fingerprint (plaintext) under a zero nonce, both
+    keys by BLAKE3's key derivation; checked against GCM written out by hand."""
+    gcm_key = blake3.blake3(
+        SECRET, derive_key_context="kv-tiering 2026-11 block authentication ghash-blake3 gcm key v1"
+    ).digest(32)
+    prf_key = blake3.blake3(
+        SECRET, derive_key_context="kv-tiering 2026-11 block authentication ghash-blake3 prf key v1"
+    ).digest(32)
+    payload = bytes(range(251)) * 5  # not a whole number of 16-byte blocks
+    header = struct.pack("<HI", 3, 2) + b"key" + b"fp"
+    inner = _reference_gcm_tag(gcm_key, bytes(12), header, payload)
+    auth = BlockAuthenticator(SECRET, "test")
+    assert auth.mac == "ghash-blake3"  # the default
+    assert auth.tag(b"key", b"fp", payload) == blake3.blake3(inner, key=prf_key).digest(16)
+
+
+def test_ghash_blake3_tags_agree_across_threads() -> None:
+    """Each thread that tags gets its own AESGCM: tags are the same on every thread."""
+    import concurrent.futures
+
+    auth = BlockAuthenticator(SECRET, "test", "ghash-blake3")
+    payloads = [bytes([i]) * (4096 + i) for i in range(64)]
+    expected = [auth.tag(b"k", b"f", p) for p in payloads]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: auth.tag(b"k", b"f", p), payloads))
+    assert got == expected
+
+
+def test_ghash_blake3_refuses_what_aes_gcm_cannot_take() -> None:
+    """OpenSSL's AES-GCM takes under 2 GiB of associated data: a larger block is refused
+    with the way out, before anything is hashed (a stand-in view: no 2 GiB allocated)."""
+
+    class TwoGiB:
+        nbytes = 1 << 31
+
+    auth = BlockAuthenticator(SECRET, "test", "ghash-blake3")
+    with pytest.raises(ValueError, match=r"at most 2147483647 bytes.*auth_mac 'blake3'"):
+        auth._ghash_blake3(b"", b"k", b"f", TwoGiB())  # type: ignore[arg-type]
 
 
 def test_hmac_sha256_is_what_earlier_releases_wrote() -> None:
@@ -36,7 +116,7 @@ def test_hmac_sha256_is_what_earlier_releases_wrote() -> None:
     assert tag == hmac.new(SECRET, data, "sha256").digest()[:16]
 
 
-@pytest.mark.parametrize("mac", ["blake3", "hmac-sha256"])
+@pytest.mark.parametrize("mac", MAC_NAMES)
 def test_a_tag_binds_the_key_the_fingerprint_and_every_byte(mac: str) -> None:
     auth = BlockAuthenticator(SECRET, "test", mac)
     payload = bytes(range(256)) * 16
@@ -45,14 +125,15 @@ def test_a_tag_binds_the_key_the_fingerprint_and_every_byte(mac: str) -> None:
     assert tag != auth.tag(b"a", b"bc", payload)  # the lengths come first: no ambiguity
     assert tag != auth.tag(b"ab", b"d", payload)
     assert not auth.verify(b"ab", b"c", payload[:-1] + b"\x00", tag, mac)
-    other = "hmac-sha256" if mac == "blake3" else "blake3"
-    assert not auth.verify(b"ab", b"c", payload, tag, other)  # a tag is one MAC's
+    for other in MAC_NAMES:
+        if other != mac:
+            assert not auth.verify(b"ab", b"c", payload, tag, other)  # a tag is one MAC's
     assert tag != BlockAuthenticator(b"t" * 32, "other", mac).tag(b"ab", b"c", payload)
 
 
-@given(st.binary(min_size=1, max_size=4096), st.data())
-def test_any_bit_flipped_fails_verification(payload: bytes, data: st.DataObject) -> None:
-    auth = BlockAuthenticator(SECRET, "test")
+@given(st.binary(min_size=1, max_size=4096), st.data(), st.sampled_from(MAC_NAMES))
+def test_any_bit_flipped_fails_verification(payload: bytes, data: st.DataObject, mac: str) -> None:
+    auth = BlockAuthenticator(SECRET, "test", mac)
     tag = auth.tag(b"k", b"f", payload)
     bit = data.draw(st.integers(0, len(payload) * 8 - 1))
     flipped = bytearray(payload)
@@ -61,7 +142,7 @@ def test_any_bit_flipped_fails_verification(payload: bytes, data: st.DataObject)
     assert not auth.verify(b"k", b"f", bytes(flipped), tag)
 
 
-@pytest.mark.parametrize("mac", ["blake3", "hmac-sha256"])
+@pytest.mark.parametrize("mac", MAC_NAMES)
 def test_any_buffer_format_tags_its_bytes(mac: str) -> None:
     words = array.array("H", range(2048))
     auth = BlockAuthenticator(SECRET, "test", mac)
@@ -71,12 +152,14 @@ def test_any_buffer_format_tags_its_bytes(mac: str) -> None:
 def test_options_name_what_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVT_AUTH_TEST_KEY", "k" * 32)
     made = authenticator_from_options({"auth_key_env": "KVT_AUTH_TEST_KEY"})
-    assert made is not None and made.mac == "blake3"
+    assert made is not None and made.mac == "ghash-blake3"
     made = authenticator_from_options(
         {"auth_key_env": "KVT_AUTH_TEST_KEY", "auth_mac": "hmac-sha256"}
     )
     assert made is not None and made.mac == "hmac-sha256"
-    with pytest.raises(ConfigError, match="auth_mac must be one of 'blake3', 'hmac-sha256'"):
+    with pytest.raises(
+        ConfigError, match="auth_mac must be one of 'ghash-blake3', 'blake3', 'hmac-sha256'"
+    ):
         authenticator_from_options({"auth_key_env": "KVT_AUTH_TEST_KEY", "auth_mac": "sha1"})
     with pytest.raises(ConfigError, match="auth_mac needs a key"):
         authenticator_from_options({"auth_mac": "blake3"})

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(120)
 
 KEY_ENV = "KV_TIERING_TEST_OFFLOAD_KEY"
 SECRET = b"offload-test-secret-" + b"k" * 16
-MACS = ("blake3", "hmac-sha256")
+MACS = auth.MAC_NAMES
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ async def cancel_while_held(task: asyncio.Task[Any], gate: Gate) -> list[bool]:
 @pytest.mark.parametrize("key_len", [0, 20, 60])
 def test_blake3_tag_is_the_keyed_hash_of_the_whole_stream(key_len: int) -> None:
     """The 16 KiB head taken in one piece changes nothing: the tag is BLAKE3 of the same bytes."""
-    authenticator = BlockAuthenticator(SECRET, "test")
+    authenticator = BlockAuthenticator(SECRET, "test", "blake3")
     derived = blake3.blake3(SECRET, derive_key_context=auth._KDF_CONTEXT).digest(32)
     k = os.urandom(key_len)
     for fingerprint in (b"", b"fp", os.urandom(300)):

@@ -148,8 +148,9 @@ SMOKES: dict[str, Smoke] = {
             r"^64KiB\s+threads\s+load O_DIRECT\s+[\d.]+\s+[\d.]+\s+\S+\s+\d+%\s+70%\s",
             r"^64KiB\s+threads\s+load buffered cold\s",
             r"^GIL 64KiB threads: pure-Python loop .* slowdown [\d.]+x \(target <= 1\.25x\)$",
+            r"^MAC 2MiB store ghash-blake3 *: [\d.]+ GB/s without auth_key_\*, [\d.]+ with ",
             r"^MAC 2MiB store blake3 +: [\d.]+ GB/s without auth_key_\*, [\d.]+ with ",
-            r"^MAC 64KiB load  hmac-sha256: [\d.]+ GB/s without auth_key_\*, [\d.]+ with ",
+            r"^MAC 64KiB load  hmac-sha256 *: [\d.]+ GB/s without auth_key_\*, [\d.]+ with ",
         ),
         weight=4,
     ),
@@ -236,7 +237,8 @@ SMOKES: dict[str, Smoke] = {
     "redis_tier": Smoke(
         (
             r"^redis-server on redis://",
-            r"^\| block .* \| auth GB/s \| auth/tier \| auth CPU s/GB \| hmac GB/s \| hmac/tier \|",
+            r"^\| block .* \| auth GB/s \| auth/tier \| auth CPU s/GB \| blake3 GB/s \| "
+            r"blake3/tier \|",
             r"^\|\s+64 KiB \| store \|\s+[\d.]+ \|",
             r"^\|\s+1024 KiB \| load  \|\s+[\d.]+ \|",
             r"^\|\s+4096 KiB \| GIL released\s+\|\s+\d+ \|",

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tiering.tier.auth import MAC_NAMES
 from tiers.fs.layout import ALIGNMENT, Geometry, Header, parse_slab_name, slab_name
 from tiers.fs.records import (
     HEADER_BYTES,
@@ -122,7 +123,7 @@ def test_garbage_between_records_is_skipped(batches: list[Batch], data: st.DataO
     assert result.entries == model(batches)
 
 
-@pytest.mark.parametrize("mac", ["blake3", "hmac-sha256"])
+@pytest.mark.parametrize("mac", MAC_NAMES)
 def test_tagged_put_records_round_trip_with_the_mac_they_were_tagged_by(mac: str) -> None:
     tag = stored_tag(mac, bytes(range(16)))
     blob = encode_put_tagged([(b"k1", 3, 2**100 + 7, tag)], SEED) + encode_del([b"k2"], SEED)
@@ -133,6 +134,18 @@ def test_tagged_put_records_round_trip_with_the_mac_they_were_tagged_by(mac: str
         encode_put_tagged([(b"k", 0, 0, b"short")], SEED)
     with pytest.raises(ValueError, match="one MAC"):
         other = stored_tag("blake3" if mac != "blake3" else "hmac-sha256", bytes(16))
+        encode_put_tagged([(b"a", 0, 0, tag), (b"b", 1, 0, other)], SEED)
+
+
+def test_every_mac_has_its_own_record_type() -> None:
+    """A MAC the library offers that the journal cannot name would be unstorable."""
+    from tiers.fs.records import MAC_OF_RECORD_TYPE, MAC_RECORD_TYPES
+
+    assert set(MAC_RECORD_TYPES) == set(MAC_NAMES)
+    assert len(MAC_OF_RECORD_TYPE) == len(MAC_RECORD_TYPES)
+    with pytest.raises(ValueError, match="one MAC"):
+        tag = stored_tag("ghash-blake3", bytes(16))
+        other = stored_tag("blake3", bytes(16))
         encode_put_tagged([(b"a", 0, 0, tag), (b"b", 1, 0, other)], SEED)
 
 

@@ -38,7 +38,7 @@ PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
 #: Distributions whose AVX-512 code sits behind run-time CPU dispatch (each one is
 #: imported and exercised under the emulated CPU by test_extras_run_without_avx512).
 #: torch is too large to disassemble in a test; it dispatches the same way.
-RUNTIME_DISPATCH = {"numpy", "pillow", "xxhash", "torch", "blake3"}
+RUNTIME_DISPATCH = {"numpy", "pillow", "xxhash", "torch", "blake3", "cryptography"}
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -101,11 +101,13 @@ from tiering.copy.caches import evict_block
 evict_block(memoryview(dst)[5:(1 << 20) + 5])
 assert (dst[3:200_006] == src[1:200_004]).all() and not dst[200_006:].any()
 print("bulk copies:", bulk.active_mode())
-# Block tags: keyed BLAKE3 picks its SIMD code at run time (AVX2/SSE4.1/SSE2 here).
+# Block tags: OpenSSL's AES-GCM (the default ghash-blake3) and keyed BLAKE3 pick their
+# code at run time (AES-NI/PCLMUL without VAES here; AVX2/SSE4.1/SSE2 for BLAKE3).
 import blake3
 from tiering.tier.auth import BlockAuthenticator
 auth = BlockAuthenticator(b"k" * 32, "test")
 print("tag:", auth.tag(b"key", b"fingerprint", src[: 3 << 20]).hex())
+print("blake3 tag:", auth.tag(b"key", b"fingerprint", src[: 3 << 20], "blake3").hex())
 print("blake3:", blake3.blake3(bytes(src[: 1 << 20]), key=b"k" * 32).hexdigest())
 figure = plt.figure(); figure.gca().plot([1, 2]); figure.savefig(__import__("io").BytesIO())
 print("extras ok")
@@ -119,8 +121,11 @@ print("extras ok")
     from tiering.tier.auth import BlockAuthenticator
 
     src = numpy.random.default_rng(0).integers(0, 256, 5 << 20, dtype=numpy.uint8)
-    tag = BlockAuthenticator(b"k" * 32, "test").tag(b"key", b"fingerprint", src[: 3 << 20])
-    assert f"tag: {tag.hex()}" in output
+    authenticator = BlockAuthenticator(b"k" * 32, "test")
+    tag = authenticator.tag(b"key", b"fingerprint", src[: 3 << 20])
+    assert authenticator.mac == "ghash-blake3" and f"tag: {tag.hex()}" in output
+    tag = authenticator.tag(b"key", b"fingerprint", src[: 3 << 20], "blake3")
+    assert f"blake3 tag: {tag.hex()}" in output
     assert f"blake3: {blake3.blake3(bytes(src[: 1 << 20]), key=b'k' * 32).hexdigest()}" in output
     assert f"bulk copies: {'native' if bulk.native_available() else 'memmove'}" in output
 

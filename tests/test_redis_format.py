@@ -352,11 +352,17 @@ def test_keyed_and_plain_layouts_read_only_their_own_format() -> None:
     keyed_value = auth_layout().encode(KEY, memoryview(payload()))
     with pytest.raises(RejectedValue, match="format version 1"):
         auth_layout().decode_into(KEY, plain_value, memoryview(bytearray(BLOCK)))
-    with pytest.raises(RejectedValue, match="format version 3"):
+    with pytest.raises(RejectedValue, match="format version 4"):
         layout().decode_into(KEY, keyed_value, memoryview(bytearray(BLOCK)))
     hmac_layout = auth_layout(authenticator=BlockAuthenticator(b"s" * 32, "hmac", "hmac-sha256"))
-    with pytest.raises(RejectedValue, match="format version 3"):  # and the other way round
+    with pytest.raises(RejectedValue, match="format version 4"):  # and the other way round
         hmac_layout.decode_into(KEY, keyed_value, memoryview(bytearray(BLOCK)))
+    blake3_layout = auth_layout(authenticator=BlockAuthenticator(b"s" * 32, "b3", "blake3"))
+    with pytest.raises(RejectedValue, match="format version 4"):
+        blake3_layout.decode_into(KEY, keyed_value, memoryview(bytearray(BLOCK)))
+    blake3_value = blake3_layout.encode(KEY, memoryview(payload()))
+    with pytest.raises(RejectedValue, match="format version 3"):
+        auth_layout().decode_into(KEY, blake3_value, memoryview(bytearray(BLOCK)))
     other_key = auth_layout(authenticator=BlockAuthenticator(b"k" * 32, "other"))
     names = {
         layout().redis_key(KEY),

@@ -8,7 +8,8 @@ File layout::
                        | xxh3_64(sync + body_len + body, seed) u64
     PUT body:          0x01 | count u32 | count x (slot u64 | checksum 16B | key_len u16 | key)
                        (the checksum as two u64: low half first)
-    PUT+MAC body:      0x03 (HMAC-SHA256 tags) or 0x04 (keyed BLAKE3 tags)
+    PUT+MAC body:      0x03 (HMAC-SHA256 tags), 0x04 (keyed BLAKE3 tags)
+                       or 0x05 (ghash-blake3 tags)
                        | count u32 | count x (slot u64 | checksum 16B | tag 16B
                                               | key_len u16 | key)
     DEL body:          0x02 | count u32 | count x (key_len u16 | key)
@@ -17,7 +18,7 @@ A record carries a whole batch (one write job's blocks, one eviction), so it
 is applied all or nothing. All integers are little endian; the block
 checksum is the xxh3_128 of the block's bytes; the tag (tiers with an
 ``auth_key_*``) is the keyed MAC of :mod:`tiering.tier.auth`, the record type
-naming which MAC (both are read; a tier writes its ``auth_mac``). In memory a
+naming which MAC (all are read; a tier writes its ``auth_mac``). In memory a
 tag is :data:`STORED_TAG_BYTES` long: the MAC's id byte, then the 16-byte tag. The record checksum
 is seeded with the cache id, so a record from another cache (or a stale one
 from a previous generation of this file) never validates.
@@ -53,11 +54,16 @@ PUT_TYPE = 1
 DEL_TYPE = 2
 PUT_MAC_TYPE = 3  # HMAC-SHA256 tags
 PUT_BLAKE3_TYPE = 4  # keyed BLAKE3 tags
+PUT_GHASH_BLAKE3_TYPE = 5  # ghash-blake3 tags
 TAG_BYTES = 16
 #: A tag as the index keeps it: the MAC's id (the record type), then the tag.
 STORED_TAG_BYTES = 1 + TAG_BYTES
 #: Record type by ``auth_mac`` name, and back.
-MAC_RECORD_TYPES = {"hmac-sha256": PUT_MAC_TYPE, "blake3": PUT_BLAKE3_TYPE}
+MAC_RECORD_TYPES = {
+    "hmac-sha256": PUT_MAC_TYPE,
+    "blake3": PUT_BLAKE3_TYPE,
+    "ghash-blake3": PUT_GHASH_BLAKE3_TYPE,
+}
 MAC_OF_RECORD_TYPE = {kind: mac for mac, kind in MAC_RECORD_TYPES.items()}
 #: Keys longer than this are refused (a prefix hash plus a group index is ~36 bytes).
 MAX_KEY_BYTES = 4096

@@ -5,6 +5,7 @@ One Redis string per block::
     <namespace>:v1:<layout hash, 16 hex>:{<offload key, hex>}              no auth key
     <namespace>:v2:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac hmac-sha256
     <namespace>:v3:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac blake3
+    <namespace>:v4:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac ghash-blake3
 
 holding a header followed by the block's bytes. Format 1 (no auth key), 40
 bytes, little endian::
@@ -18,13 +19,13 @@ bytes, little endian::
     payload_len  u64 number of block bytes that follow
     checksum     u64 xxh3_64 of those bytes
 
-Formats 2 and 3 (authenticated, 48 bytes) have the same first seven fields
-(version 2 or 3, flags ``FLAG_AUTHENTICATED``, plus ``FLAG_BLAKE3`` for 3,
-header_len 48) and then::
+Formats 2, 3 and 4 (authenticated, 48 bytes) have the same first seven fields
+(version 2, 3 or 4, flags ``FLAG_AUTHENTICATED``, plus ``FLAG_BLAKE3`` for 3 or
+``FLAG_GHASH_BLAKE3`` for 4, header_len 48) and then::
 
     tag          16s the MAC of (offload key, layout fingerprint, payload) by the auth key:
-                     HMAC-SHA256 (format 2, what earlier releases wrote) or keyed BLAKE3
-                     (format 3, the default), truncated to 16 bytes
+                     HMAC-SHA256 (format 2, what earlier releases wrote), keyed BLAKE3
+                     (format 3) or ghash-blake3 (format 4, the default), 16 bytes
 
 The tag replaces the checksum: it covers the payload's integrity as well as
 who wrote it (see :mod:`tiering.tier.auth`). The key id is a public digest of the
@@ -33,7 +34,8 @@ keys, or a key rotated, use different key names and never fight over (or
 delete as forged) each other's blocks. A tier reads the format its settings
 write: format 1 without an auth key, 2 with ``auth_mac: "hmac-sha256"`` (so an
 engine of this release and one of an earlier release share their blocks), 3
-with keyed BLAKE3.
+with ``"blake3"`` (the previous release's default: set it to share blocks with
+engines of that release), 4 with ``"ghash-blake3"``.
 
 The hash tag (``{...}``) covers only the block's identity, so Redis Cluster
 spreads blocks over every node (a tag over the namespace would put a whole
@@ -54,15 +56,24 @@ import xxhash
 from tiering.copy.bulk import address_of, copy_regions
 from tiering.core.keys import OffloadKey
 from tiering.tier import auth as _auth
-from tiering.tier.auth import BLAKE3, TAG_BYTES, BlockAuthenticator, OffLoopWork, slices
+from tiering.tier.auth import (
+    BLAKE3,
+    GHASH_BLAKE3,
+    TAG_BYTES,
+    BlockAuthenticator,
+    OffLoopWork,
+    slices,
+)
 from tiers.redis.errors import RejectedValue
 
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
 AUTH_FORMAT_VERSION = 2  # HMAC-SHA256 tags
 BLAKE3_FORMAT_VERSION = 3  # keyed BLAKE3 tags
+GHASH_BLAKE3_FORMAT_VERSION = 4  # ghash-blake3 tags
 FLAG_AUTHENTICATED = 0x01
 FLAG_BLAKE3 = 0x02
+FLAG_GHASH_BLAKE3 = 0x04
 _HEADER = struct.Struct("<4sBBHQQQQ")
 _AUTH_HEADER = struct.Struct(f"<4sBBHQQQ{TAG_BYTES}s")
 #: The unauthenticated (format 1) header's length.
@@ -109,8 +120,8 @@ class BlockLayout:
 
     Bound to a namespace, a layout fingerprint, a block size and (optionally)
     an auth key, so every check is against what this tier instance itself
-    would have written. With an authenticator, values are format 2 (HMAC-SHA256)
-    or 3 (keyed BLAKE3) by its ``mac``, and tags are computed here, on the
+    would have written. With an authenticator, values are format 2 (HMAC-SHA256),
+    3 (keyed BLAKE3) or 4 (ghash-blake3) by its ``mac``, and tags are computed here, on the
     caller's thread: the tier's loop, or a hashing thread (:func:`encode_off_loop`
     for stores, :mod:`tiers.redis.loads` for loads); the layout is immutable once
     built, so either is safe.
@@ -131,6 +142,9 @@ class BlockLayout:
         self.authenticator = authenticator
         if authenticator is None:
             self.version, self.flags = FORMAT_VERSION, 0
+        elif authenticator.mac == GHASH_BLAKE3:
+            self.version = GHASH_BLAKE3_FORMAT_VERSION
+            self.flags = FLAG_AUTHENTICATED | FLAG_GHASH_BLAKE3
         elif authenticator.mac == BLAKE3:
             self.version, self.flags = BLAKE3_FORMAT_VERSION, FLAG_AUTHENTICATED | FLAG_BLAKE3
         else:
@@ -163,7 +177,8 @@ class BlockLayout:
     def header(self, key: OffloadKey, data: memoryview) -> bytes:
         """The header of ``data`` stored as ``key``'s block (hashes, or tags, the payload).
 
-        xxhash, OpenSSL's HMAC and BLAKE3 all release the GIL over a block payload.
+        xxhash, OpenSSL's HMAC and AES-GCM, and BLAKE3 all release the GIL over a block
+        payload.
         """
         if data.nbytes != self.block_bytes:
             raise ValueError(f"block is {data.nbytes} bytes, this tier stores {self.block_bytes}")
