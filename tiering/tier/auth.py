@@ -173,13 +173,31 @@ class BlockAuthenticator:
         replayed under another key or into a cache of another layout; their
         lengths come first, so no two (key, fingerprint) pairs hash alike.
         """
+        mac = mac or self.mac
+        if mac == GHASH_BLAKE3:  # first and inline: the default, paid once per block moved
+            sized = payload if type(payload) is memoryview else memoryview(payload)  # type: ignore[arg-type]
+            if sized.format != "B" or sized.ndim != 1:
+                sized = sized.cast("B")  # cryptography takes byte buffers only
+            if sized.nbytes > _GHASH_MAX_PAYLOAD:
+                raise ValueError(
+                    f"auth_mac {GHASH_BLAKE3!r} tags blocks of at most {_GHASH_MAX_PAYLOAD} "
+                    f"bytes, not {sized.nbytes}: use auth_mac 'blake3' for blocks this large"
+                )
+            try:
+                gcm = self._per_thread.gcm
+            except AttributeError:
+                gcm = self._per_thread.gcm = _new_aes_gcm(self._gcm_key)
+            # AES-GCM takes any contiguous buffer as associated data. Only the GCM tag
+            # (the last 16 bytes) is used, and only through the PRF: the ciphertext of the
+            # key and fingerprint is dropped.
+            sealed = gcm.encrypt(
+                _GHASH_NONCE, _PREFIX.pack(len(key), len(fingerprint)) + key + fingerprint, sized
+            )
+            return blake3.blake3(sealed[-16:], key=self._finish_key).digest(TAG_BYTES)
         prefix = _PREFIX.pack(len(key), len(fingerprint))
         view = memoryview(payload)  # type: ignore[arg-type]  # any C-contiguous buffer
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")  # BLAKE3 takes bytes only; HMAC is indifferent
-        mac = mac or self.mac
-        if mac == GHASH_BLAKE3:
-            return self._ghash_blake3(prefix, key, fingerprint, view)
         if mac == BLAKE3:
             head = _BLAKE3_HEAD_BYTES - len(prefix) - len(key) - len(fingerprint)
             if 0 < head < view.nbytes:
@@ -203,31 +221,18 @@ class BlockAuthenticator:
         mac_.update(view)
         return mac_.digest()[:TAG_BYTES]
 
-    def _ghash_blake3(
-        self, prefix: bytes, key: bytes, fingerprint: bytes, view: memoryview
-    ) -> bytes:
-        """BLAKE3 (keyed) of the AES-256-GCM tag of (payload as associated data, the
-        length-prefixed key and fingerprint as plaintext) under the fixed nonce."""
-        if view.nbytes > _GHASH_MAX_PAYLOAD:
-            raise ValueError(
-                f"auth_mac {GHASH_BLAKE3!r} tags blocks of at most {_GHASH_MAX_PAYLOAD} bytes, "
-                f"not {view.nbytes}: use auth_mac 'blake3' for blocks this large"
-            )
-        gcm = getattr(self._per_thread, "gcm", None)
-        if gcm is None:
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-            gcm = self._per_thread.gcm = AESGCM(self._gcm_key)
-        sealed = gcm.encrypt(_GHASH_NONCE, b"".join((prefix, key, fingerprint)), view)
-        # Only the GCM tag (the last 16 bytes) is used, and only through the PRF: the
-        # ciphertext of the key and fingerprint is dropped.
-        return blake3.blake3(sealed[-16:], key=self._finish_key).digest(TAG_BYTES)
-
     def verify(
         self, key: bytes, fingerprint: bytes, payload: object, tag: bytes, mac: str | None = None
     ) -> bool:
         """Whether ``tag`` is this key's ``mac`` tag of ``payload`` (constant-time comparison)."""
         return hmac.compare_digest(self.tag(key, fingerprint, payload, mac), tag)
+
+
+def _new_aes_gcm(key: bytes) -> Any:
+    """An AES-256-GCM instance (``cryptography`` imported on first use: only tags need it)."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key)
 
 
 def _read_key_file(path_text: str, where: str) -> bytes:
