@@ -181,6 +181,18 @@ def test_store_then_load_is_byte_exact_into_other_rows(
         assert m.get_num_blocks() == 8
 
 
+def test_has_finished_says_whether_a_result_came_back_from_the_tiers_process(
+    factory: Callable[..., Callable[[], AsyncTier]], host: HostBuffer, rows: np.ndarray
+) -> None:
+    fill(rows, 0)
+    with isolated(factory(), host) as m:
+        assert not m.has_finished()
+        m.submit_store(store(3, [key(1)], [0]))
+        wait_until(m.has_finished)
+        assert [r.job_id for r in m.get_finished()] == [3]
+        assert not m.has_finished()
+
+
 def test_stats_and_events_come_from_the_tiers_process(
     factory: Callable[..., Callable[[], AsyncTier]], host: HostBuffer, rows: np.ndarray
 ) -> None:

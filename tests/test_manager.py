@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 
@@ -28,7 +28,9 @@ from tests.manager_helpers import (
     store,
     write_row,
 )
+from tests.runtime_support import wait_until
 from tiering.core.errors import ContractError, TierClosedError
+from tiering.core.jobs import JobResult
 from tiering.core.keys import NO_CONTEXT, ReqContext
 from tiering.manager import TieringOffloadingManager
 from tiering.primary import CPUPrimaryTier
@@ -178,6 +180,43 @@ def test_promotion_from_a_secondary_tier_brings_back_the_same_bytes() -> None:
         assert stats.secondary[0].hits == 3
         assert primary.num_pinned() == 0
         tiers[0].check_one_result_per_job()
+
+
+def test_lookups_of_a_key_on_its_way_ask_only_a_tier_with_a_result_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key on its way is looked up again and again within a step; the tier is asked for
+    results only once it has one (``has_finished``), and a landed promotion is still a hit
+    in the very lookup that follows."""
+    primary = make_primary(4)
+    gated = GatedMemoryTier(gate_writes=False, gate_reads=True)
+    facade = make_facade(gated, primary)
+    manager = TieringOffloadingManager(primary, [facade], metrics_registry=False)
+    with manager:
+        keys = [key(i) for i in range(2)]
+        store(manager, keys)
+        settle(manager)
+        evict_from_primary(manager, keys)
+        asked = [0]
+        real_get_finished = facade.get_finished
+
+        def counting_get_finished() -> Iterable[JobResult]:
+            asked[0] += 1
+            return real_get_finished()
+
+        monkeypatch.setattr(facade, "get_finished", counting_get_finished)
+        ctx = ReqContext(req_id="r")
+        assert manager.lookup(keys[0], ctx) is None
+        manager.step()  # submits the promotion; its read waits at the gate
+        before = asked[0]
+        for _ in range(50):
+            assert manager.lookup(keys[0], ctx) is None
+        assert asked[0] == before  # nothing landed: the tier was not asked
+        gated.gate.set()
+        wait_until(facade.has_finished)
+        assert manager.lookup(keys[0], ctx) is True
+        assert asked[0] == before + 1
+        load_and_verify(manager, keys[:1], ctx)
 
 
 def test_lookups_of_different_requests_become_separate_jobs() -> None:

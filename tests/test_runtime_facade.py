@@ -131,6 +131,20 @@ def test_get_finished_is_empty_without_jobs_and_returns_each_result_once(
     assert not manager.has_pending_work()
 
 
+def test_has_finished_says_whether_get_finished_has_a_result(
+    manager: AsyncTierManager, buf: np.ndarray
+) -> None:
+    assert not manager.has_finished()  # nothing submitted
+    fill(buf, 0)
+    manager.submit_store(store(8, [key(1)], [0]))
+    wait_until(manager.has_finished)  # published: the next get_finished returns it
+    assert manager.has_finished()  # asking takes nothing
+    assert [r.job_id for r in manager.get_finished()] == [8]
+    assert not manager.has_finished()
+    manager.shutdown()
+    assert manager.has_finished()  # so a caller's get_finished reports the shutdown
+
+
 def test_load_of_a_missing_key_fails_the_job_and_loads_the_rest(
     manager: AsyncTierManager, buf: np.ndarray
 ) -> None:

@@ -345,6 +345,10 @@ class IsolatedTierManager(AsyncTierManager):
         arrived.clear()
         return taken
 
+    def _results_waiting(self) -> bool:
+        self._pump()
+        return bool(self._arrived)
+
     def _wait_result(self, timeout_s: float | None) -> JobResult | None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

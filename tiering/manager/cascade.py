@@ -39,7 +39,7 @@ class CascadeMixin(StatisticsMixin):
         for position in positions:
             counters = self._tier_counters[position]
             if self._behind(position, len(keys)) and not polled:
-                self._poll()  # results that arrived since the step began make room
+                self._poll(landed_only=True)  # results since the step began make room
                 polled = True
             if self._behind(position, len(keys)):
                 counters.dropped += len(keys)  # back-pressure: the tier is behind

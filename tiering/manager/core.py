@@ -224,7 +224,7 @@ class TieringOffloadingManager(LoadsMixin, OffloadingManager):
         self._flush_staged()  # while this step's hits are still protected
         self._end_of_step()
         if self._jobs and self._primary.num_free() < len(keys):
-            self._poll()
+            self._poll(landed_only=True)
         output = self._primary.prepare_store(keys, req_context)
         if output is not None and output.keys_to_store:
             store_filter = self._filters.of(req_context)[1]

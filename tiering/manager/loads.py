@@ -49,7 +49,7 @@ class LoadsMixin(ResultsMixin):
             # The engine retries the lookup of a key on its way: collect results now, so a
             # landed promotion is a hit this step rather than the next.
             self._flush_staged()
-            self._poll()
+            self._poll(landed_only=True)
             if primary.is_ready(key):
                 self._hit(key)
                 return True

@@ -39,7 +39,7 @@ class PromotionMixin(CascadeMixin):
         primary = self._primary
         if self._behind(position, 1):
             if self._jobs:
-                self._poll()
+                self._poll(landed_only=True)
             if self._behind(position, 1):
                 # Back-pressure: the tier is behind, its jobs already pin its share of the
                 # primary tier. A promotion would wait behind them holding one more row.
@@ -51,7 +51,7 @@ class PromotionMixin(CascadeMixin):
             # An eviction will be needed: release finished pins first, and pin this step's
             # hits (the engine may be about to load them) so they are not counted as victims.
             if self._jobs:
-                self._poll()
+                self._poll(landed_only=True)
             if primary.num_free() < needed:
                 self._protect_step_hits()
                 load_pinned = primary.num_pinned() - primary.num_storing()
@@ -94,7 +94,7 @@ class PromotionMixin(CascadeMixin):
         if primary.num_free() < len(keys):
             # An eviction decision: first collect finished jobs, whose cascade pins may be
             # all that keeps rows from being evictable.
-            self._poll()
+            self._poll(landed_only=True)
             self._protect_step_hits()
         output = primary.prepare_store(keys, req_context)
         if output is not None:

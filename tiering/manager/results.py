@@ -25,8 +25,14 @@ logger = logging.getLogger("tiering.manager")
 class ResultsMixin(PromotionMixin):
     """Result collection and shutdown draining."""
 
-    def _poll(self) -> int:
-        """Collect every tier's finished jobs and act on them. Returns how many."""
+    def _poll(self, landed_only: bool = False) -> int:
+        """Collect every tier's finished jobs and act on them. Returns how many.
+
+        ``landed_only`` (the polls within a step, e.g. a lookup of a key on its
+        way): skip the tiers that say (``has_finished``) no result is waiting. The
+        step's own poll asks every tier with jobs in flight, which is also when
+        our tiers offer a due garbage collection to their loop thread.
+        """
         if not self._jobs:
             return 0
         finished = 0
@@ -34,6 +40,10 @@ class ResultsMixin(PromotionMixin):
             if not self._tier_counters[position].jobs_in_flight:
                 continue
             try:
+                if landed_only:
+                    waiting = getattr(tier, "has_finished", None)
+                    if waiting is not None and not waiting():
+                        continue
                 results = list(tier.get_finished())
             except Exception:
                 self._internal_error(f"get_finished of tier {self._tier_counters[position].name}")

@@ -163,7 +163,7 @@ class ManagerState:
     _metrics: MetricsExport
     _next_publish: float
 
-    def _poll(self) -> int:
+    def _poll(self, landed_only: bool = False) -> int:
         """Collect every tier's finished jobs and act on them (results.py). Returns how many."""
         raise NotImplementedError
 

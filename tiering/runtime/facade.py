@@ -202,6 +202,9 @@ class AsyncTierManager(SchedulerSide):
             return _NOTHING
         return [results.get_nowait() for _ in range(results.qsize())]
 
+    def _results_waiting(self) -> bool:
+        return not self._results.empty()
+
     def _wait_result(self, timeout_s: float | None) -> JobResult | None:
         """The next published result, or None after ``timeout_s`` (None: wait)."""
         try:

@@ -126,6 +126,10 @@ class SchedulerSide(SecondaryTierManager):
         """Results published since the last call (never blocks)."""
 
     @abstractmethod
+    def _results_waiting(self) -> bool:
+        """Whether :meth:`_take_results` would return anything now (never blocks)."""
+
+    @abstractmethod
     def _wait_result(self, timeout_s: float | None) -> JobResult | None:
         """The next published result, or None after ``timeout_s`` (None: wait)."""
 
@@ -280,6 +284,15 @@ class SchedulerSide(SecondaryTierManager):
                 raise ContractError(f"tier {self.name}: job {job_id} lists a key twice")
         self._outstanding[job_id] = _Outstanding(is_load, keys)
         return _Job(meta, rows, is_load, time.monotonic() + self.job_timeout_s)
+
+    def has_finished(self) -> bool:
+        """Whether :meth:`get_finished` would return a result now; never blocks.
+
+        For callers that look often within one scheduler step (a lookup of a
+        key on its way): it offers no garbage collection and builds nothing. True
+        once shut down, so the caller's ``get_finished`` says so.
+        """
+        return self._closed or bool(self._ready) or self._results_waiting()
 
     def get_finished(self) -> Iterable[JobResult]:
         """Results of the jobs finished since the last call; never blocks."""
