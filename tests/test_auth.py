@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import array
+import copy
 import hmac
+import pickle
 import struct
 
 import blake3
@@ -97,6 +99,16 @@ def test_ghash_blake3_tags_agree_across_threads() -> None:
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: auth.tag(b"k", b"f", p), payloads))
     assert got == expected
+
+
+@pytest.mark.parametrize("mac", MAC_NAMES)
+def test_an_authenticator_pickles_and_copies_as_what_it_was_made_of(mac: str) -> None:
+    """A tier configured in one process and built in another carries its authenticator."""
+    auth = BlockAuthenticator(SECRET, "test", mac)
+    tag = auth.tag(b"k", b"f", b"payload")  # its per-thread state exists by now
+    for copied in (pickle.loads(pickle.dumps(auth)), copy.deepcopy(auth), copy.copy(auth)):
+        assert copied == auth and copied.mac == mac
+        assert copied.tag(b"k", b"f", b"payload") == tag
 
 
 def test_ghash_blake3_refuses_what_aes_gcm_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:

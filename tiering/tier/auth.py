@@ -165,6 +165,11 @@ class BlockAuthenticator:
             object.__setattr__(self, name, key)
         object.__setattr__(self, "_per_thread", threading.local())
 
+    def __reduce__(self) -> tuple[type[BlockAuthenticator], tuple[bytes, str, str]]:
+        # Pickled (a tier configured in one process, built in another) as what it was made
+        # of: the derived keys and the per-thread AES-GCM instances are rebuilt there.
+        return (BlockAuthenticator, (self._secret, self.source, self.mac))
+
     def tag(self, key: bytes, fingerprint: bytes, payload: object, mac: str | None = None) -> bytes:
         """The 16-byte tag of ``payload`` (any buffer) stored under ``key`` (with ``mac``,
         default this authenticator's).
