@@ -7,11 +7,13 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiering.core.errors import ConfigError
 from tiering.policies import (
     AdaptivePolicy,
+    ARCPolicy,
     LRUPolicy,
     PolicyChoice,
     RequestAwarePolicy,
@@ -285,3 +287,54 @@ def test_guided_takes_a_bool() -> None:
     with pytest.raises(ConfigError, match="rejected its options"):
         resolve_policy({"name": "adaptive", "guided": "yes"})
     assert make_policy("adaptive(guided=false)", 10) is not None
+
+
+@DERANDOMIZED
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["use", "evict", "remove"]), st.integers(0, 30)),
+        max_size=200,
+    )
+)
+def test_arc_evict_one_is_evict_of_one_unpinned(ops: list[tuple[str, int]]) -> None:
+    """The shadows' single-victim eviction (ARCPolicy.evict_one) picks what evict(1) picks
+    when every key is evictable, and leaves ARC in the same state (lists, ghosts, p)."""
+    capacity = 6
+    one: ARCPolicy[int] = ARCPolicy(capacity)
+    listed: ARCPolicy[int] = ARCPolicy(capacity)
+    for op, key in ops:
+        if op == "use":
+            if key in one:
+                one.access(key)
+                listed.access(key)
+            else:
+                if len(one) == capacity:
+                    assert one.evict_one() == listed.evict(1, all_keys)[0]
+                one.insert(key)
+                listed.insert(key)
+        elif op == "evict" and len(one):
+            assert one.evict_one() == listed.evict(1, all_keys)[0]
+        else:
+            one.remove(key)
+            listed.remove(key)
+        assert one.sizes() == listed.sizes() and one.target_t1 == listed.target_t1
+        assert [one.list_of(k) for k in range(31)] == [listed.list_of(k) for k in range(31)]
+        one.check_invariants()
+    empty: ARCPolicy[int] = ARCPolicy(2)
+    with pytest.raises(KeyError):
+        empty.evict_one()
+
+
+def test_arc_evict_one_takes_t1_above_p_else_t2() -> None:
+    arc: ARCPolicy[int] = ARCPolicy(4)
+    for key in range(4):
+        arc.insert(key)
+    arc.access(2)
+    arc.access(3)  # T1 = [0, 1], T2 = [2, 3], p = 0
+    assert arc.evict_one() == 0 and arc.list_of(0) == "B1"
+    arc.insert(0)  # a B1 ghost: p grows to 1, 0 joins T2
+    assert arc.target_t1 == 1.0 and arc.sizes()[:2] == (1, 3)
+    assert arc.evict_one() == 2 and arc.list_of(2) == "B2"  # |T1| = 1 <= p: from T2
+    for key in (3, 0):
+        assert arc.evict_one() == key
+    assert arc.evict_one() == 1  # T2 empty: T1 after all

@@ -118,6 +118,13 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         self._shadow_lru: OrderedDict[K, None] = OrderedDict()
         self._mini = mini
         self._shadow_reuse: ARCPolicy[K] | KVAwarePolicy[K] = _reuse_expert(expert, mini)
+        shadow_reuse = self._shadow_reuse
+        # The shadow's one victim per miss (every key evictable): ARC's without the lists.
+        self._shadow_evict: Callable[[], K] = (
+            shadow_reuse.evict_one
+            if isinstance(shadow_reuse, ARCPolicy)
+            else lambda: shadow_reuse.evict(1, _always)[0]
+        )
         self._shadow_hits = [0.0, 0.0]  # LRU's, the reuse expert's (decayed)
         self._shadow_uses = 0.0  # sampled uses (decayed alike)
         self._shadows_full = False  # counts restart when the shadows first evict
@@ -169,7 +176,8 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
                 gone = order.popitem(last=False)[0]
                 if guided and gone in resident:
                     self._stale[0][gone] = None
-                self._shadows_filled()
+                if not self._shadows_full:
+                    self._shadows_filled()
             order[key] = None
         shadow = self._shadow_reuse
         hit_reuse = key in shadow
@@ -177,10 +185,11 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
             shadow.access(key)
         else:
             if len(shadow) >= shadow.capacity:
-                gone = shadow.evict(1, _always)[0]
+                gone = self._shadow_evict()
                 if guided and gone in resident:
                     self._stale[1][gone] = None
-                self._shadows_filled()
+                if not self._shadows_full:
+                    self._shadows_filled()
             shadow.insert(key)
         if guided:
             self._stale[0].pop(key, None)
@@ -198,24 +207,18 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
             self._follow_lru = True
 
     def _shadows_filled(self) -> None:
-        """A shadow evicts: the first time, the counts restart (evidence starts here)."""
-        if not self._shadows_full:
-            self._shadows_full = True
-            self._shadow_hits[0] = self._shadow_hits[1] = self._shadow_uses = 0.0
+        """A shadow evicts for the first time: the counts restart (evidence starts here)."""
+        self._shadows_full = True
+        self._shadow_hits[0] = self._shadow_hits[1] = self._shadow_uses = 0.0
 
     # -- the EvictionPolicy interface ---------------------------------------------------------
 
     def insert(self, key: K) -> None:
         # The reuse expert holds the same keys: its insert raises (changing nothing) for a
-        # resident key or a full policy. Written out, not shared with _insert: this is the
-        # hot path, and a call per block costs (benchmarks/primary.py).
-        self._reuse.insert(key)
-        self._lru[key] = None
-        rate = self._rate
-        if rate == 1 or hash(key) % rate == 0:
-            self._sampled(key)
-
-    def _insert(self, key: K) -> None:
+        # resident key or a full policy. Written out here and in insert_in / access /
+        # access_in, not shared: this is the hot path, and a call per block costs
+        # (benchmarks/primary.py). access_in never calls access (a subclass may route
+        # access through access_in).
         self._reuse.insert(key)
         self._lru[key] = None
         rate = self._rate
@@ -223,19 +226,14 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
             self._sampled(key)
 
     def insert_in(self, key: K, context: RequestContext) -> None:
-        self._insert(key)
+        self._reuse.insert(key)
+        self._lru[key] = None
         self._last_request[key] = context.request_id
+        rate = self._rate
+        if rate == 1 or hash(key) % rate == 0:
+            self._sampled(key)
 
     def access(self, key: K) -> None:
-        lru = self._lru
-        if key in lru:
-            lru.move_to_end(key)
-            self._reuse.access(key)
-            rate = self._rate
-            if rate == 1 or hash(key) % rate == 0:
-                self._sampled(key)
-
-    def _access(self, key: K) -> None:
         lru = self._lru
         if key in lru:
             lru.move_to_end(key)
@@ -251,7 +249,11 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         last = self._last_request
         if last.get(key, _MISSING) != context.request_id:
             last[key] = context.request_id
-            self._access(key)
+            lru.move_to_end(key)
+            self._reuse.access(key)
+            rate = self._rate
+            if rate == 1 or hash(key) % rate == 0:
+                self._sampled(key)
         else:
             # The same request again (a lookup before its read, a decode step): not a
             # second use, but the block is the most recently used, as under LRU, so that

@@ -98,7 +98,9 @@ class ARCPolicy(EvictionPolicy[K]):
         if key in t1 or key in t2:
             raise ValueError(f"{key!r} is already resident")
         capacity = self.capacity
-        if len(t1) + len(t2) >= capacity:
+        n1 = len(t1)
+        resident = n1 + len(t2)
+        if resident >= capacity:
             raise ValueError(f"cannot insert {key!r}: {capacity} keys resident, evict first")
         if key in b1:
             # Case II: evicted from T1 too early, so T1 deserves more room.
@@ -114,9 +116,10 @@ class ARCPolicy(EvictionPolicy[K]):
             # Case IV: a new key. Trim the ghosts so the directory stays within
             # |T1|+|B1| <= c and 2c in total. As |T1|+|T2| < c here, the list
             # trimmed is never empty.
-            if len(t1) + len(b1) >= capacity:
+            ghosts1 = len(b1)
+            if n1 + ghosts1 >= capacity:
                 b1.popitem(last=False)
-            elif len(t1) + len(t2) + len(b1) + len(b2) >= 2 * capacity:
+            elif resident + ghosts1 + len(b2) >= 2 * capacity:
                 b2.popitem(last=False)
             t1[key] = None
 
@@ -152,6 +155,19 @@ class ARCPolicy(EvictionPolicy[K]):
             self._b1[key] = None
         elif self._t2.pop(key, _MISSING) is not _MISSING:
             self._b2[key] = None
+
+    def evict_one(self) -> K:
+        """``evict(1, lambda key: True)[0]`` without the lists: the one victim of a cache
+        whose every key is evictable (a standalone or shadow cache). Raises ``KeyError``
+        when nothing is resident."""
+        t1 = self._t1
+        if t1 and (len(t1) > self._p or not self._t2):
+            key = t1.popitem(last=False)[0]
+            self._b1[key] = None
+        else:
+            key = self._t2.popitem(last=False)[0]
+            self._b2[key] = None
+        return key
 
     def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
         if n <= 0:
