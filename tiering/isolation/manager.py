@@ -42,7 +42,7 @@ from tiering.runtime.affinity import check_cpus
 from tiering.runtime.facade import AsyncTierManager
 from tiering.runtime.gil_handoff import hold_seconds
 from tiering.runtime.options import RuntimeOptions, resolved_options
-from tiering.runtime.scheduler_side import Presence
+from tiering.runtime.presence import Presence
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters
 from tiering.runtime.young_gc import CollectorThread

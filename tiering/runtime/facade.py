@@ -30,7 +30,8 @@ from tiering.runtime.gil_handoff import hold_seconds
 from tiering.runtime.loop_thread import LoopThread
 from tiering.runtime.mailbox import Mailbox
 from tiering.runtime.options import DEFAULT_MAX_GIL_HOLD_MS, check_runtime_options
-from tiering.runtime.scheduler_side import _NOTHING, Presence, SchedulerSide
+from tiering.runtime.presence import Presence
+from tiering.runtime.scheduler_side import _NOTHING, SchedulerSide
 from tiering.runtime.service import TierService, _Job
 from tiering.runtime.stats import TierCounters
 from tiering.runtime.young_gc import collect_young_generation

@@ -15,11 +15,21 @@ is never a removal: the block may well still be there.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 
 from tiering.core.keys import OffloadKey
+
+
+class Presence(enum.Enum):
+    """What :meth:`SchedulerSide.lookup_state` knows about a key."""
+
+    ABSENT = "absent"
+    PRESENT = "present"
+    STORING = "storing"
+    CHECKING = "checking"
 
 
 class KnownPresent:

@@ -15,7 +15,6 @@ every method on the scheduler thread.
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from abc import abstractmethod
@@ -28,20 +27,12 @@ from tiering.core.errors import ContractError, TierClosedError
 from tiering.core.jobs import JobMetadata, JobResult, SecondaryTierManager
 from tiering.core.keys import OffloadKey, ReqContext
 from tiering.runtime.options import primary_geometry
+from tiering.runtime.presence import Presence
 from tiering.runtime.service_state import _Job
 from tiering.runtime.stats import TierCounters, TierStats
 from tiering.runtime.young_gc import young_collection_due
 
 _NOTHING: tuple[JobResult, ...] = ()
-
-
-class Presence(enum.Enum):
-    """What :meth:`SchedulerSide.lookup_state` knows about a key."""
-
-    ABSENT = "absent"
-    PRESENT = "present"
-    STORING = "storing"
-    CHECKING = "checking"
 
 
 class _Outstanding(NamedTuple):
@@ -286,12 +277,8 @@ class SchedulerSide(SecondaryTierManager):
         return _Job(meta, rows, is_load, time.monotonic() + self.job_timeout_s)
 
     def has_finished(self) -> bool:
-        """Whether :meth:`get_finished` would return a result now; never blocks.
-
-        For callers that look often within one scheduler step (a lookup of a
-        key on its way): it offers no garbage collection and builds nothing. True
-        once shut down, so the caller's ``get_finished`` says so.
-        """
+        """Whether :meth:`get_finished` would return a result now (True once shut down, so
+        that call says so). Never blocks, offers no collection: for checks within a step."""
         return self._closed or bool(self._ready) or self._results_waiting()
 
     def get_finished(self) -> Iterable[JobResult]:
