@@ -454,11 +454,9 @@ async def test_redis_a_failed_check_is_a_miss_never_a_hit(
         assert tier.stats.blocks_read == 0
 
 
-@pytest.mark.redis
-async def test_redis_tags_stay_on_the_loop_on_a_small_machine(
-    redis_server: RedisServer, redis_auth: dict[str, Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Under ``OFFLOAD_MIN_CPUS`` CPUs the hand-over does not pay: inline tags."""
+def tag_threads_on_a_small_machine(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """Batches big enough to hand over, on a 2-CPU machine under a 4-CPU rule; returns the set
+    that collects the ids of the threads computing tags."""
     monkeypatch.setattr(auth, "OFFLOAD_MIN_BYTES", 0)
     monkeypatch.setattr(auth, "usable_cpus", lambda: 2)
     monkeypatch.setattr(auth, "OFFLOAD_MIN_CPUS", 4)
@@ -470,6 +468,15 @@ async def test_redis_tags_stay_on_the_loop_on_a_small_machine(
         return real_tag(self, *args)
 
     monkeypatch.setattr(BlockAuthenticator, "tag", tag)
+    return threads
+
+
+@pytest.mark.redis
+async def test_redis_tags_stay_on_the_loop_on_a_small_machine(
+    redis_server: RedisServer, redis_auth: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``OFFLOAD_MIN_CPUS`` CPUs the hand-over does not pay: inline tags."""
+    threads = tag_threads_on_a_small_machine(monkeypatch)
     async with opened_tier(redis_server.url, **redis_auth) as tier:
         keys, blocks = new_keys(8), new_blocks(8, REDIS_BLOCK)
         await tier.write_many(keys, views(blocks))
@@ -482,17 +489,7 @@ async def test_redis_tags_stay_on_the_loop_on_a_small_machine(
 async def test_fs_tags_stay_on_the_loop_on_a_small_machine(
     tmp_path: Path, auth_env: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(auth, "OFFLOAD_MIN_BYTES", 0)
-    monkeypatch.setattr(auth, "usable_cpus", lambda: 2)
-    monkeypatch.setattr(auth, "OFFLOAD_MIN_CPUS", 4)
-    threads: set[int] = set()
-    real_tag = BlockAuthenticator.tag
-
-    def tag(self: BlockAuthenticator, *args: Any) -> bytes:
-        threads.add(threading.get_ident())
-        return real_tag(self, *args)
-
-    monkeypatch.setattr(BlockAuthenticator, "tag", tag)
+    threads = tag_threads_on_a_small_machine(monkeypatch)
     keys = [key(i) for i in range(8)]
     async with opened(tmp_path, **auth_env) as tier:
         await write_keys(tier, keys)
