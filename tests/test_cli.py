@@ -208,6 +208,25 @@ def test_argument_errors_exit_with_usage(capsys: pytest.CaptureFixture[str]) -> 
 # -- replay through the real stack ---------------------------------------------------------------
 
 
+def _assert_the_ceiling_is_reached_or_a_loss_counted(report: dict[str, Any]) -> None:
+    """Every hit the unlimited count promises arrives unless a loss was counted.
+
+    Losses: a tier failure; on a loaded machine a tier behind its back-pressure
+    share answering its hits as misses (``promotion_no_room``) or dropping its
+    cascades (a tier's ``dropped_blocks``); a store refused for room.
+    """
+    hit = report["hit_rate"]
+    lost = (
+        report["tier_failures"]["count"]
+        + sum(report["failures"].values())
+        + sum(tier.get("dropped_blocks", 0) for tier in report["tiers"])
+    )
+    if lost == 0:
+        assert hit["total"] == pytest.approx(hit["unlimited"], abs=0.001)
+    else:
+        assert hit["total"] <= hit["unlimited"] + 1e-9
+
+
 def test_replay_json_in_process_matches_the_file_and_the_offline_ceiling(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -231,8 +250,9 @@ def test_replay_json_in_process_matches_the_file_and_the_offline_ceiling(
     assert report["ok"] and not report["interrupted"]
     assert [t["name"] for t in report["tiers"]] == ["gpu", "cpu", "memory"]
     hit = report["hit_rate"]
-    # An unbounded memory tier forgets nothing: the total reaches the offline ceiling.
-    assert hit["total"] == pytest.approx(hit["unlimited"], abs=0.001)
+    # An unbounded memory tier forgets nothing: the total reaches the offline ceiling
+    # unless back-pressure (a loaded machine) counted a loss.
+    _assert_the_ceiling_is_reached_or_a_loss_counted(report)
     assert hit["gpu"] + hit["cpu"] + hit["secondary"]["memory"] == pytest.approx(hit["total"])
     assert report["verification"]["mismatches"] == 0
     assert report["verification"]["verified_blocks"] == report["blocks"]["loaded_cpu_to_gpu"] > 0
@@ -334,16 +354,8 @@ def test_a_yaml_config_in_vllms_shape_builds_the_stack(
     assert [t["name"] for t in report["tiers"]][1:] == ["cpu", "warm", "memory#1"]
     assert set(report["hit_rate"]["secondary"]) == {"warm", "memory#1"}
     assert report["tiers"][2]["capacity_blocks"] == 100
-    hit = report["hit_rate"]
-    # Every hit the unlimited count promises arrives unless a loss was counted: "warm"
-    # evicting a block between lookup and promotion (a tier failure), or, on a loaded
-    # machine, a tier behind its back-pressure share answering its hits as misses
-    # (promotion_no_room).
-    lost = report["tier_failures"]["count"] + sum(report["failures"].values())
-    if lost == 0:
-        assert hit["total"] == pytest.approx(hit["unlimited"], abs=0.001)
-    else:
-        assert hit["total"] <= hit["unlimited"] + 1e-9
+    # "warm" may evict a block between lookup and promotion (a tier failure).
+    _assert_the_ceiling_is_reached_or_a_loss_counted(report)
 
 
 def test_repeated_log_messages_are_shown_three_times_then_counted() -> None:
