@@ -7,7 +7,7 @@ Starts its own redis-server (no persistence) on a free loopback port. For
   checksum, verification, copy of each value into its destination row);
 * through the tier with an auth key (``auth_key_env``): the same, with a tag
   computed per stored block and checked per loaded block instead of the xxh3
-  checksum (the cost of authenticated blocks): ghash-blake3 (``auth``, the
+  checksum (the cost of authenticated blocks): ghash-aes (``auth``, the
   default) and keyed BLAKE3 (``blake3``, ``auth_mac: "blake3"``, the previous
   release's default);
 * raw: the same redis-py asyncio client settings, one pipeline per job of

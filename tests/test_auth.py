@@ -71,29 +71,41 @@ def _reference_gcm_tag(key: bytes, nonce: bytes, plaintext: bytes, aad: bytes) -
     return (ghash ^ block(j0)).to_bytes(16, "big")
 
 
-def test_ghash_blake3_is_the_documented_construction() -> None:
-    """The default tag: keyed BLAKE3 (PRF) of the AES-256-GCM tag of the payload (associated
-    data) and the length-prefixed key and fingerprint (plaintext) under a zero nonce, both
-    keys by BLAKE3's key derivation; checked against GCM written out by hand."""
+def test_ghash_aes_is_the_documented_construction() -> None:
+    """The default tag: AES-256 (one block, the PRF) of the AES-256-GCM tag of the payload
+    (associated data) and the length-prefixed key and fingerprint (plaintext) under a zero
+    nonce, both keys by BLAKE3's key derivation; checked against GCM written out by hand."""
     gcm_key = blake3.blake3(
-        SECRET, derive_key_context="kv-tiering 2026-11 block authentication ghash-blake3 gcm key v1"
+        SECRET, derive_key_context="kv-tiering 2026-11 block authentication ghash-aes gcm key v1"
     ).digest(32)
     prf_key = blake3.blake3(
-        SECRET, derive_key_context="kv-tiering 2026-11 block authentication ghash-blake3 prf key v1"
+        SECRET, derive_key_context="kv-tiering 2026-11 block authentication ghash-aes prf key v1"
     ).digest(32)
     payload = bytes(range(251)) * 5  # not a whole number of 16-byte blocks
     header = struct.pack("<HI", 3, 2) + b"key" + b"fp"
     inner = _reference_gcm_tag(gcm_key, bytes(12), header, payload)
     auth = BlockAuthenticator(SECRET, "test")
-    assert auth.mac == "ghash-blake3"  # the default
-    assert auth.tag(b"key", b"fp", payload) == blake3.blake3(inner, key=prf_key).digest(16)
+    assert auth.mac == "ghash-aes"  # the default
+    assert auth.tag(b"key", b"fp", payload) == _aes256_block(prf_key, inner)
 
 
-def test_ghash_blake3_tags_agree_across_threads() -> None:
-    """Each thread that tags gets its own AESGCM: tags are the same on every thread."""
+def _aes256_block(key: bytes, block: bytes) -> bytes:
+    aes = Cipher(algorithms.AES(key), modes.ECB()).encryptor()
+    return bytes(aes.update(block))
+
+
+def test_the_aes_block_of_the_reference_is_aes_256() -> None:
+    """FIPS-197 appendix C.3: what the reference (and the tag's finish) computes is AES-256."""
+    key = bytes(range(32))
+    plaintext = bytes.fromhex("00112233445566778899aabbccddeeff")
+    assert _aes256_block(key, plaintext).hex() == "8ea2b7ca516745bfeafc49904b496089"
+
+
+def test_ghash_aes_tags_agree_across_threads() -> None:
+    """Each thread that tags gets its own AES-GCM and AES: tags are the same on every thread."""
     import concurrent.futures
 
-    auth = BlockAuthenticator(SECRET, "test", "ghash-blake3")
+    auth = BlockAuthenticator(SECRET, "test", "ghash-aes")
     payloads = [bytes([i]) * (4096 + i) for i in range(64)]
     expected = [auth.tag(b"k", b"f", p) for p in payloads]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -111,10 +123,10 @@ def test_an_authenticator_pickles_and_copies_as_what_it_was_made_of(mac: str) ->
         assert copied.tag(b"k", b"f", b"payload") == tag
 
 
-def test_ghash_blake3_refuses_what_aes_gcm_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ghash_aes_refuses_what_aes_gcm_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
     """OpenSSL's AES-GCM takes under 2 GiB of associated data: a larger block is refused with
     the way out, before anything is hashed (the limit lowered here: no 2 GiB allocated)."""
-    auth = BlockAuthenticator(SECRET, "test", "ghash-blake3")
+    auth = BlockAuthenticator(SECRET, "test", "ghash-aes")
     assert auth_module._GHASH_MAX_PAYLOAD == 2**31 - 1
     monkeypatch.setattr(auth_module, "_GHASH_MAX_PAYLOAD", 100)
     assert auth.verify(b"k", b"f", bytes(100), auth.tag(b"k", b"f", bytes(100)))
@@ -164,13 +176,13 @@ def test_any_buffer_format_tags_its_bytes(mac: str) -> None:
 def test_options_name_what_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVT_AUTH_TEST_KEY", "k" * 32)
     made = authenticator_from_options({"auth_key_env": "KVT_AUTH_TEST_KEY"})
-    assert made is not None and made.mac == "ghash-blake3"
+    assert made is not None and made.mac == "ghash-aes"
     made = authenticator_from_options(
         {"auth_key_env": "KVT_AUTH_TEST_KEY", "auth_mac": "hmac-sha256"}
     )
     assert made is not None and made.mac == "hmac-sha256"
     with pytest.raises(
-        ConfigError, match="auth_mac must be one of 'ghash-blake3', 'blake3', 'hmac-sha256'"
+        ConfigError, match="auth_mac must be one of 'ghash-aes', 'blake3', 'hmac-sha256'"
     ):
         authenticator_from_options({"auth_key_env": "KVT_AUTH_TEST_KEY", "auth_mac": "sha1"})
     with pytest.raises(ConfigError, match="auth_mac needs a key"):

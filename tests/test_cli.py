@@ -714,7 +714,7 @@ def test_auth_mac_works_through_the_cli_and_the_spec(
     )
     assert main(["replay", *SMALL, "--config", str(config)]) == 0
     assert "verified byte for byte" in capsys.readouterr().out
-    for mac in ("blake3", "ghash-blake3"):
+    for mac in ("blake3", "ghash-aes"):
         tier = (
             f"fs:root_dir={tmp_path / mac},auth_key_env=KVT_CLI_AUTH_KEY,auth_mac={mac},"
             "capacity_bytes=16MiB"
@@ -723,10 +723,10 @@ def test_auth_mac_works_through_the_cli_and_the_spec(
         assert "verified byte for byte" in capsys.readouterr().out
     bad = f"fs:root_dir={tmp_path / 'c'},auth_key_env=KVT_CLI_AUTH_KEY,auth_mac=md5"
     assert main(["replay", *SMALL, "--cpu-bytes", "1MiB", "--tier", bad]) == EXIT_BAD_INPUT
-    assert "auth_mac must be one of 'ghash-blake3', 'blake3', 'hmac-sha256'" in (
+    assert "auth_mac must be one of 'ghash-aes', 'blake3', 'hmac-sha256'" in (
         capsys.readouterr().err
     )
-    for mac in ("ghash-blake3", "blake3", "hmac-sha256"):
+    for mac in ("ghash-aes", "blake3", "hmac-sha256"):
         entry = {
             "type": "fs",
             "root_dir": str(tmp_path / mac),

@@ -243,7 +243,7 @@ async def test_blocks_tagged_with_hmac_by_an_earlier_release_still_read(
         await write_keys(tier, new)
         index = tier._state().index
         macs = {k: tag_mac(index.get(k).tag)[0] for k in old + new}  # type: ignore[union-attr, arg-type]
-        assert macs == {**dict.fromkeys(old, "hmac-sha256"), **dict.fromkeys(new, "ghash-blake3")}
+        assert macs == {**dict.fromkeys(old, "hmac-sha256"), **dict.fromkeys(new, "ghash-aes")}
     async with opened(tmp_path, **auth) as tier:
         for k in old + new:
             assert await read_key(tier, k) == block_data(k)
@@ -254,19 +254,19 @@ async def test_blocks_tagged_with_blake3_by_the_previous_release_still_read(
     tmp_path: Path, auth: dict[str, str]
 ) -> None:
     """The previous release's default was keyed BLAKE3 (record type 4, what ``auth_mac:
-    "blake3"`` writes today): a root it filled serves every block under ``ghash-blake3``, the
-    new blocks get ``ghash-blake3`` tags, and a restart reads both."""
+    "blake3"`` writes today): a root it filled serves every block under ``ghash-aes``, the
+    new blocks get ``ghash-aes`` tags, and a restart reads both."""
     old, new = [key(i) for i in range(4)], [key(20 + i) for i in range(3)]
     async with opened(tmp_path, **auth, auth_mac="blake3") as tier:
         await write_keys(tier, old)
     for _ in range(2):  # before and after a restart
-        async with opened(tmp_path, **auth, auth_mac="ghash-blake3") as tier:
+        async with opened(tmp_path, **auth, auth_mac="ghash-aes") as tier:
             for k in old:
                 assert await read_key(tier, k) == block_data(k)
             await write_keys(tier, new)
             index = tier._state().index
             macs = {k: tag_mac(index.get(k).tag)[0] for k in old + new}  # type: ignore[union-attr, arg-type]
-            assert macs == {**dict.fromkeys(old, "blake3"), **dict.fromkeys(new, "ghash-blake3")}
+            assert macs == {**dict.fromkeys(old, "blake3"), **dict.fromkeys(new, "ghash-aes")}
             assert tier.stats.auth_failures == 0
 
 
@@ -297,7 +297,7 @@ async def test_a_tag_checked_with_the_other_mac_fails(tmp_path: Path, auth: dict
 
 def test_auth_mac_is_checked(tmp_path: Path, auth: dict[str, str]) -> None:
     with pytest.raises(
-        ConfigError, match="auth_mac must be one of 'ghash-blake3', 'blake3', 'hmac-sha256'"
+        ConfigError, match="auth_mac must be one of 'ghash-aes', 'blake3', 'hmac-sha256'"
     ):
         FileSystemTier(root_dir=tmp_path, auth_mac="md5", **auth)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="auth_mac needs a key"):

@@ -192,7 +192,7 @@ async def test_authenticated_tiers_with_one_key_share_blocks(
         with redis_server.client() as raw:
             value = raw.get(a._require_layout().redis_key(keys[0]))
         assert value is not None and len(value) == AUTH_HEADER_LEN + TIER_BLOCK_BYTES
-        assert value[4] == 4 and value[AUTH_HEADER_LEN:] == blocks[0]  # ghash-blake3
+        assert value[4] == 4 and value[AUTH_HEADER_LEN:] == blocks[0]  # ghash-aes
 
 
 async def test_keys_and_unauthenticated_tiers_do_not_see_each_others_blocks(
@@ -414,10 +414,10 @@ def test_rejections_are_logged_once_per_reason_per_interval(
 
 @pytest.mark.parametrize(
     ("mac", "version", "flags"),
-    [("ghash-blake3", 4, 0x05), ("blake3", 3, 0x03), ("hmac-sha256", 2, 0x01)],
+    [("ghash-aes", 4, 0x05), ("blake3", 3, 0x03), ("hmac-sha256", 2, 0x01)],
 )
 def test_header_layout_of_authenticated_values(mac: str, version: int, flags: int) -> None:
-    """ghash-blake3 (the default) is format 4; keyed BLAKE3 format 3 and HMAC-SHA256 format
+    """ghash-aes (the default) is format 4; keyed BLAKE3 format 3 and HMAC-SHA256 format
     2, byte for byte what earlier releases wrote under the same key names, so engines of
     this release with that ``auth_mac`` share blocks with them."""
     authenticator = BlockAuthenticator(SECRET.encode(), "test", mac)

@@ -531,7 +531,7 @@ def test_class_names_are_exported() -> None:
     )
 
 
-@pytest.mark.parametrize("mac", ["ghash-blake3", "blake3", "hmac-sha256"])
+@pytest.mark.parametrize("mac", ["ghash-aes", "blake3", "hmac-sha256"])
 def test_auth_mac_reaches_our_fs_tier_through_vllms_factory(
     make_manager: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, mac: str
 ) -> None:
@@ -548,7 +548,7 @@ def test_auth_mac_reaches_our_fs_tier_through_vllms_factory(
     round_trip(driver, chained_keys(f"auth-{mac}", 4))
     bad = {**entry, "auth_mac": "md5", "root_dir": str(tmp_path / "bad")}
     with pytest.raises(
-        ConfigError, match="auth_mac must be one of 'ghash-blake3', 'blake3', 'hmac-sha256'"
+        ConfigError, match="auth_mac must be one of 'ghash-aes', 'blake3', 'hmac-sha256'"
     ):
         make_manager([bad])
 

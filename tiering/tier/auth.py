@@ -10,17 +10,18 @@ fingerprint and the payload, and a block whose tag does not match is a miss.
 Three MACs (``auth_mac``), each named in what a tier stores with the tag, so a
 tier reads blocks tagged any of these ways:
 
-``"ghash-blake3"``       (default) a universal hash then a PRF: GHASH, as AES-256-GCM
+``"ghash-aes"``          (default) a universal hash then a PRF: GHASH, as AES-256-GCM
                          computes it (OpenSSL, through ``cryptography``), over the
                          payload (associated data) and the length-prefixed key and
                          fingerprint (plaintext), with a fixed nonce; its 16-byte
-                         GCM tag, which never leaves this function, is then hashed
-                         by keyed BLAKE3, whose first 16 bytes are the tag. Both
-                         keys come from the secret by BLAKE3's key derivation.
-                         About 19-23 GB/s on one core here (AES-NI with
-                         VPCLMULQDQ; OpenSSL picks its code at run time), the
-                         GIL released: 3x keyed BLAKE3, and what makes an
-                         authenticated tier as fast as a plain one.
+                         GCM tag, which never leaves this function, is then
+                         encrypted by AES-256 under a second key (one block: a PRP
+                         used as a PRF, as AES-GCM-SIV finishes its tag), and that
+                         block is the tag. Both keys come from the secret by
+                         BLAKE3's key derivation. About 19-23 GB/s on one core
+                         here (AES-NI with VPCLMULQDQ; OpenSSL picks its code at
+                         run time), the GIL released: 3x keyed BLAKE3, and what
+                         makes an authenticated tier as fast as a plain one.
 ``"blake3"``             keyed BLAKE3: the key is ``derive_key(context, secret)``
                          (BLAKE3's key derivation mode), the tag the first 16
                          bytes of the keyed hash. About 6 GB/s on one core here
@@ -51,7 +52,7 @@ import hmac
 import os
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ __all__ = [
     "AUTH_OPTION_NAMES",
     "BLAKE3",
     "DEFAULT_MAC",
-    "GHASH_BLAKE3",
+    "GHASH_AES",
     "HMAC_SHA256",
     "MAC_NAMES",
     "OFFLOAD_MIN_BYTES",
@@ -92,18 +93,18 @@ AUTH_OPTION_NAMES = ("auth_key_file", "auth_key_env", "auth_mac")
 #: The MACs, by the name ``auth_mac`` takes.
 HMAC_SHA256 = "hmac-sha256"
 BLAKE3 = "blake3"
-GHASH_BLAKE3 = "ghash-blake3"
-MAC_NAMES = (GHASH_BLAKE3, BLAKE3, HMAC_SHA256)
-DEFAULT_MAC = GHASH_BLAKE3
+GHASH_AES = "ghash-aes"
+MAC_NAMES = (GHASH_AES, BLAKE3, HMAC_SHA256)
+DEFAULT_MAC = GHASH_AES
 _DIGEST = "sha256"
 _PREFIX = struct.Struct("<HI")  # offload key length, fingerprint length
 #: BLAKE3 key derivation context (fixed, unique to this use: BLAKE3's rule for contexts).
 _KDF_CONTEXT = "kv-tiering 2026-11 block authentication tag v1"
-#: ``ghash-blake3``'s two keys: the AES-256-GCM key (GHASH's key is AES of zero under it)
-#: and the BLAKE3 key of the final PRF, each from its own context.
-_GHASH_KDF_CONTEXT = "kv-tiering 2026-11 block authentication ghash-blake3 gcm key v1"
-_FINISH_KDF_CONTEXT = "kv-tiering 2026-11 block authentication ghash-blake3 prf key v1"
-#: The nonce is fixed: the GCM tag is only ever hashed by the PRF, never shown (see
+#: ``ghash-aes``'s two keys: the AES-256-GCM key (GHASH's key is AES of zero under it)
+#: and the AES-256 key of the final PRF, each from its own context.
+_GHASH_KDF_CONTEXT = "kv-tiering 2026-11 block authentication ghash-aes gcm key v1"
+_FINISH_KDF_CONTEXT = "kv-tiering 2026-11 block authentication ghash-aes prf key v1"
+#: The nonce is fixed: the GCM tag is only ever encrypted by the PRF, never shown (see
 #: ``docs/security.md``), so it need not change.
 _GHASH_NONCE = bytes(12)
 #: OpenSSL's AES-GCM takes at most this many bytes of associated data in one call.
@@ -139,8 +140,9 @@ class BlockAuthenticator:
     _blake3_key: bytes = field(init=False, repr=False, compare=False)
     _finish_key: bytes = field(init=False, repr=False, compare=False)
     _gcm_key: bytes = field(init=False, repr=False, compare=False)
-    #: One AESGCM per thread that tags (the loop, the hashing threads): its thread
-    #: safety is not documented.
+    #: Per thread that tags (the loop, the hashing threads): ``ghash-aes``'s AES-256-GCM
+    #: seal and its one-block AES-256 finish (ECB: one block, no state between calls).
+    #: Neither object's thread safety is documented.
     _per_thread: threading.local = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -178,26 +180,29 @@ class BlockAuthenticator:
         lengths come first, so no two (key, fingerprint) pairs hash alike.
         """
         mac = mac or self.mac
-        if mac == GHASH_BLAKE3:  # first and inline: the default, paid once per block moved
+        if mac == GHASH_AES:  # first and inline: the default, paid once per block moved
             sized = payload if type(payload) is memoryview else memoryview(payload)  # type: ignore[arg-type]
             if sized.format != "B" or sized.ndim != 1:
                 sized = sized.cast("B")  # cryptography takes byte buffers only
             if sized.nbytes > _GHASH_MAX_PAYLOAD:
                 raise ValueError(
-                    f"auth_mac {GHASH_BLAKE3!r} tags blocks of at most {_GHASH_MAX_PAYLOAD} "
+                    f"auth_mac {GHASH_AES!r} tags blocks of at most {_GHASH_MAX_PAYLOAD} "
                     f"bytes, not {sized.nbytes}: use auth_mac 'blake3' for blocks this large"
                 )
             try:
-                gcm = self._per_thread.gcm
+                seal, finish = self._per_thread.ghash_aes
             except AttributeError:
-                gcm = self._per_thread.gcm = _new_aes_gcm(self._gcm_key)
+                seal, finish = self._per_thread.ghash_aes = _ghash_aes_functions(
+                    self._gcm_key, self._finish_key
+                )
             # AES-GCM takes any contiguous buffer as associated data. Only the GCM tag
             # (the last 16 bytes) is used, and only through the PRF: the ciphertext of the
             # key and fingerprint is dropped.
-            sealed = gcm.encrypt(
+            sealed = seal(
                 _GHASH_NONCE, _PREFIX.pack(len(key), len(fingerprint)) + key + fingerprint, sized
             )
-            return blake3.blake3(sealed[-16:], key=self._finish_key).digest(TAG_BYTES)
+            tag: bytes = finish(sealed[-16:])
+            return tag
         prefix = _PREFIX.pack(len(key), len(fingerprint))
         view = memoryview(payload)  # type: ignore[arg-type]  # any C-contiguous buffer
         if view.format != "B" or view.ndim != 1:
@@ -232,11 +237,16 @@ class BlockAuthenticator:
         return hmac.compare_digest(self.tag(key, fingerprint, payload, mac), tag)
 
 
-def _new_aes_gcm(key: bytes) -> Any:
-    """An AES-256-GCM instance (``cryptography`` imported on first use: only tags need it)."""
+def _ghash_aes_functions(
+    gcm_key: bytes, finish_key: bytes
+) -> tuple[Callable[[bytes, bytes, Any], bytes], Callable[[bytes], bytes]]:
+    """``ghash-aes``'s AES-256-GCM seal and one-block AES-256 encryption, for one thread
+    (``cryptography`` imported on first use: only tags need it)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    return AESGCM(key)
+    finish = Cipher(algorithms.AES(finish_key), modes.ECB()).encryptor()
+    return AESGCM(gcm_key).encrypt, finish.update
 
 
 def _read_key_file(path_text: str, where: str) -> bytes:
@@ -271,7 +281,7 @@ def authenticator_from_options(
     options: Mapping[str, Any], where: str = ""
 ) -> BlockAuthenticator | None:
     """The authenticator ``auth_key_file`` / ``auth_key_env`` ask for (None when neither is set),
-    writing ``auth_mac`` tags (default ``"ghash-blake3"``).
+    writing ``auth_mac`` tags (default ``"ghash-aes"``).
 
     ``where`` prefixes messages (e.g. ``"secondary_tiers[1] (type 'redis'): "``). Raises
     :class:`ConfigError` naming the option, never the key, when the key is missing,

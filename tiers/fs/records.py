@@ -9,7 +9,7 @@ File layout::
     PUT body:          0x01 | count u32 | count x (slot u64 | checksum 16B | key_len u16 | key)
                        (the checksum as two u64: low half first)
     PUT+MAC body:      0x03 (HMAC-SHA256 tags), 0x04 (keyed BLAKE3 tags)
-                       or 0x05 (ghash-blake3 tags)
+                       or 0x05 (ghash-aes tags)
                        | count u32 | count x (slot u64 | checksum 16B | tag 16B
                                               | key_len u16 | key)
     DEL body:          0x02 | count u32 | count x (key_len u16 | key)
@@ -54,7 +54,7 @@ PUT_TYPE = 1
 DEL_TYPE = 2
 PUT_MAC_TYPE = 3  # HMAC-SHA256 tags
 PUT_BLAKE3_TYPE = 4  # keyed BLAKE3 tags
-PUT_GHASH_BLAKE3_TYPE = 5  # ghash-blake3 tags
+PUT_GHASH_AES_TYPE = 5  # ghash-aes tags
 TAG_BYTES = 16
 #: A tag as the index keeps it: the MAC's id (the record type), then the tag.
 STORED_TAG_BYTES = 1 + TAG_BYTES
@@ -62,7 +62,7 @@ STORED_TAG_BYTES = 1 + TAG_BYTES
 MAC_RECORD_TYPES = {
     "hmac-sha256": PUT_MAC_TYPE,
     "blake3": PUT_BLAKE3_TYPE,
-    "ghash-blake3": PUT_GHASH_BLAKE3_TYPE,
+    "ghash-aes": PUT_GHASH_AES_TYPE,
 }
 MAC_OF_RECORD_TYPE = {kind: mac for mac, kind in MAC_RECORD_TYPES.items()}
 #: Keys longer than this are refused (a prefix hash plus a group index is ~36 bytes).

@@ -5,7 +5,7 @@ One Redis string per block::
     <namespace>:v1:<layout hash, 16 hex>:{<offload key, hex>}              no auth key
     <namespace>:v2:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac hmac-sha256
     <namespace>:v3:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac blake3
-    <namespace>:v4:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac ghash-blake3
+    <namespace>:v4:<layout hash, 16 hex>:<key id, 8 hex>:{<offload key>}   auth_mac ghash-aes
 
 holding a header followed by the block's bytes. Format 1 (no auth key), 40
 bytes, little endian::
@@ -21,11 +21,11 @@ bytes, little endian::
 
 Formats 2, 3 and 4 (authenticated, 48 bytes) have the same first seven fields
 (version 2, 3 or 4, flags ``FLAG_AUTHENTICATED``, plus ``FLAG_BLAKE3`` for 3 or
-``FLAG_GHASH_BLAKE3`` for 4, header_len 48) and then::
+``FLAG_GHASH_AES`` for 4, header_len 48) and then::
 
     tag          16s the MAC of (offload key, layout fingerprint, payload) by the auth key:
                      HMAC-SHA256 (format 2, what earlier releases wrote), keyed BLAKE3
-                     (format 3) or ghash-blake3 (format 4, the default), 16 bytes
+                     (format 3) or ghash-aes (format 4, the default), 16 bytes
 
 The tag replaces the checksum: it covers the payload's integrity as well as
 who wrote it (see :mod:`tiering.tier.auth`). The key id is a public digest of the
@@ -35,7 +35,7 @@ delete as forged) each other's blocks. A tier reads the format its settings
 write: format 1 without an auth key, 2 with ``auth_mac: "hmac-sha256"`` (so an
 engine of this release and one of an earlier release share their blocks), 3
 with ``"blake3"`` (the previous release's default: set it to share blocks with
-engines of that release), 4 with ``"ghash-blake3"``.
+engines of that release), 4 with ``"ghash-aes"``.
 
 The hash tag (``{...}``) covers only the block's identity, so Redis Cluster
 spreads blocks over every node (a tag over the namespace would put a whole
@@ -58,7 +58,7 @@ from tiering.core.keys import OffloadKey
 from tiering.tier import auth as _auth
 from tiering.tier.auth import (
     BLAKE3,
-    GHASH_BLAKE3,
+    GHASH_AES,
     TAG_BYTES,
     BlockAuthenticator,
     OffLoopWork,
@@ -70,10 +70,10 @@ MAGIC = b"KVTB"
 FORMAT_VERSION = 1
 AUTH_FORMAT_VERSION = 2  # HMAC-SHA256 tags
 BLAKE3_FORMAT_VERSION = 3  # keyed BLAKE3 tags
-GHASH_BLAKE3_FORMAT_VERSION = 4  # ghash-blake3 tags
+GHASH_AES_FORMAT_VERSION = 4  # ghash-aes tags
 FLAG_AUTHENTICATED = 0x01
 FLAG_BLAKE3 = 0x02
-FLAG_GHASH_BLAKE3 = 0x04
+FLAG_GHASH_AES = 0x04
 _HEADER = struct.Struct("<4sBBHQQQQ")
 _AUTH_HEADER = struct.Struct(f"<4sBBHQQQ{TAG_BYTES}s")
 #: The unauthenticated (format 1) header's length.
@@ -121,7 +121,7 @@ class BlockLayout:
     Bound to a namespace, a layout fingerprint, a block size and (optionally)
     an auth key, so every check is against what this tier instance itself
     would have written. With an authenticator, values are format 2 (HMAC-SHA256),
-    3 (keyed BLAKE3) or 4 (ghash-blake3) by its ``mac``, and tags are computed here, on the
+    3 (keyed BLAKE3) or 4 (ghash-aes) by its ``mac``, and tags are computed here, on the
     caller's thread: the tier's loop, or a hashing thread (:func:`encode_off_loop`
     for stores, :mod:`tiers.redis.loads` for loads); the layout is immutable once
     built, so either is safe.
@@ -142,9 +142,9 @@ class BlockLayout:
         self.authenticator = authenticator
         if authenticator is None:
             self.version, self.flags = FORMAT_VERSION, 0
-        elif authenticator.mac == GHASH_BLAKE3:
-            self.version = GHASH_BLAKE3_FORMAT_VERSION
-            self.flags = FLAG_AUTHENTICATED | FLAG_GHASH_BLAKE3
+        elif authenticator.mac == GHASH_AES:
+            self.version = GHASH_AES_FORMAT_VERSION
+            self.flags = FLAG_AUTHENTICATED | FLAG_GHASH_AES
         elif authenticator.mac == BLAKE3:
             self.version, self.flags = BLAKE3_FORMAT_VERSION, FLAG_AUTHENTICATED | FLAG_BLAKE3
         else:
