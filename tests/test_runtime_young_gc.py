@@ -79,6 +79,25 @@ def test_a_due_collection_runs_on_the_calling_thread_as_cpython_picks_it(
     assert collections == [(threading.current_thread().name, 0)]
     assert gc.get_count()[0] < BELOW
     assert len(kept) == PAST  # what was alive stays alive
+    assert gc.get_threshold()[0] == THRESHOLD  # lowered for the hand-off only
+
+
+def test_a_hand_off_collects_the_older_generation_when_cpython_would(
+    collections: list[tuple[str, int]],
+) -> None:
+    """The generation is CPython's choice: past the middle generation's threshold (its
+    count is the youngest's collections since its own), the hand-off collects both."""
+    thresholds = gc.get_threshold()
+    for _ in range(thresholds[1] + 1):
+        gc.collect(0)
+    collections.clear()
+    kept = allocate(PAST)
+    collect_young_generation()
+    assert collections == [(threading.current_thread().name, 1)]
+    count = gc.get_count()
+    assert count[1] == 0 and count[0] < BELOW
+    assert gc.get_threshold() == thresholds
+    del kept
 
 
 def test_nothing_is_collected_before_it_is_due(collections: list[tuple[str, int]]) -> None:
