@@ -242,6 +242,8 @@ SMOKES: dict[str, Smoke] = {
             r"^\|\s+64 KiB \| store \|\s+[\d.]+ \|",
             r"^\|\s+1024 KiB \| load  \|\s+[\d.]+ \|",
             r"^\|\s+4096 KiB \| GIL released\s+\|\s+\d+ \|",
+            r"^verdict: auth/tier 64 KiB load: median [\d.]+ of 1 run\(s\) \([\d.]+\) "
+            r"\(target >= 0\.9\): (ok|BELOW)$",
         ),
         skip=_no_redis,
         weight=4,
