@@ -94,7 +94,6 @@ class SizeRow:
     op: str
     line: str
     auth_ratio: float  # ghash-aes (the default MAC) over the plain tier
-    blake3_ratio: float  # keyed BLAKE3 over the plain tier
 
 
 @dataclass
@@ -230,7 +229,7 @@ async def bench_size(url: str, block: int, total: int, job_bytes: int, reps: int
             f"{b_gbs:6.2f} | {b_gbs / t_gbs:6.0%} | "
             f"{t_cpu * block / 1e3:7.1f} | {(t_cpu - r_cpu) * block / 1e3:7.1f} |"
         )
-        lines.append(SizeRow(block, op, line, a_gbs / t_gbs, b_gbs / t_gbs))
+        lines.append(SizeRow(block, op, line, a_gbs / t_gbs))
     return lines
 
 
