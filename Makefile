@@ -67,11 +67,14 @@ gpu-check:
 
 # Here, before a device run: the wheels that machine lacks (Python 3.12), into .whl/,
 # which the device run carries along.
-GPU_WHEELS := $(shell grep -i '^pytest-asyncio==' $(LOCK))
+# The image has torch, numpy, xxhash, rich, aiofiles; it lacks pytest-asyncio, blake3 and
+# cryptography (imported by tiering.tier.auth), and its anyio may predate the 4.16 we need.
+GPU_WHEELS := $(shell grep -iE '^(pytest-asyncio|blake3|cryptography|cffi|pycparser|anyio|typing.extensions)==' $(LOCK))
 gpu-wheels:
 	grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-	  --implementation cp --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(GPU_WHEELS)
 
 # After changing dependencies in pyproject.toml: resolve them afresh in a scratch
 # virtualenv and write the lock (torch stays pinned by the install command above).

@@ -12,7 +12,10 @@ the ordering state machine in ``test_copy_cuda_machine.py``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -328,6 +331,38 @@ def test_shutdown_lets_the_jobs_in_flight_finish(kind: str) -> None:
         assert not rig.is_pinned(host)
         assert not kv.worker.submit_store(9, g0([0, 1]), CPULoadStoreSpec([9]))
         kv.host.close()
+
+
+def test_an_untimed_wait_lets_other_python_threads_run() -> None:
+    """The wait sleeps in the driver with the GIL released (a real GPU's blocking-sync event)."""
+    with rig_for("cuda") as rig:
+        kv = KVRig(rig, TWO_GROUPS)
+        try:
+            for _ in range(20):
+                rig.slow_fill(kv.gpu[0][5], 77)  # about half a second of model work first
+            plan = plan_transfer(kv.layout, g0([5]), CPULoadStoreSpec([2]), Lane.STORE)
+            job = kv.worker.engine.submit(plan)
+            stop, ticks = threading.Event(), list[float]()
+
+            def tick() -> None:
+                while not stop.is_set():
+                    ticks.append(time.perf_counter())
+                    time.sleep(0.001)
+
+            ticker = threading.Thread(target=tick)
+            ticker.start()
+            begin = time.perf_counter()
+            assert job.wait()
+            end = time.perf_counter()
+            stop.set()
+            ticker.join()
+            assert job.outcome().success
+            assert end - begin > 0.15, "the store did not wait behind the model's work"
+            during = [begin, *(t for t in ticks if begin < t < end), end]
+            longest = max(b - a for a, b in itertools.pairwise(during))
+            assert longest < 0.05, f"another thread stood still for {longest:.3f} s of the wait"
+        finally:
+            kv.close()
 
 
 # -- misuse -------------------------------------------------------------------------------

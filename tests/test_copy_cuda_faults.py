@@ -10,6 +10,7 @@ where the engine says it copied, nothing pinned that should not be.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 
 from tests.cuda_rigs import TWO_GROUPS, KVRig, SimulatedRig, wait_all
 from tests.test_copy_cuda import g0, round_trip
-from tiering.copy import required_cpu_block_bytes
+from tiering.copy import Lane, plan_transfer, required_cpu_block_bytes
 from tiering.copy.cuda.device import (
     CUDA_ERROR_ALREADY_REGISTERED,
     CUDA_ERROR_MEMORY_ALLOCATION,
@@ -295,3 +296,70 @@ def test_a_failed_unregistration_is_logged_not_raised(
     pins.unpin(rig.sim, buffer.ctypes.data, 4096)
     pins.unpin(rig.sim, buffer.ctypes.data, 4096)  # once too often: nothing happens
     assert any(f"CUDA error {CUDA_ERROR_NOT_REGISTERED}" in m for m in caplog.messages)
+
+
+class SpyEvent:
+    """A job's end event that counts how it is waited on (everything else passes through)."""
+
+    def __init__(self, event: Any) -> None:
+        self.event, self.queries, self.synchronizes = event, 0, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return bool(self.event.query())
+
+    def synchronize(self) -> None:
+        self.synchronizes += 1
+        self.event.synchronize()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.event, name)
+
+
+def spied_store(kv: KVRig, gpu_block: int, cpu_block: int) -> tuple[Any, SpyEvent]:
+    plan = plan_transfer(kv.layout, g0([gpu_block]), CPULoadStoreSpec([cpu_block]), Lane.STORE)
+    job: Any = kv.worker.engine.submit(plan)
+    job.end_event = spy = SpyEvent(job.end_event)
+    return job, spy
+
+
+def test_an_untimed_wait_sleeps_on_the_end_event_instead_of_polling(rig: SimulatedRig) -> None:
+    kv = KVRig(rig, TWO_GROUPS)
+    try:
+        rig.slow_fill(kv.gpu[0][5], 77)  # the model's work ahead of the store
+        job, spy = spied_store(kv, 5, 2)
+        assert job.wait()
+        assert spy.synchronizes == 1 and spy.queries <= 1  # one query: done() afterwards
+        assert job.outcome().success
+        assert np.all(kv.host.as_numpy()[2][:2048] == 77)
+        assert job.wait() and spy.synchronizes == 1  # finished: no second wait
+    finally:
+        kv.close()
+
+
+def test_an_untimed_wait_turns_a_device_error_into_a_failed_job(rig: SimulatedRig) -> None:
+    kv = KVRig(rig, TWO_GROUPS, strategy="dma")
+    try:
+        rig.sim.fail_copies(1, when="run")
+        job, spy = spied_store(kv, 1, 1)
+        assert job.wait()
+        assert spy.synchronizes == 1
+        outcome = job.outcome()
+        assert not outcome.success and "illegal memory access" in (outcome.error or "")
+    finally:
+        kv.close()
+
+
+def test_an_untimed_wait_on_a_device_closed_meanwhile_fails_the_job(rig: SimulatedRig) -> None:
+    kv = KVRig(rig, TWO_GROUPS)
+    try:
+        rig.sim.pause()  # the device stops: the job never runs
+        job, _ = spied_store(kv, 3, 3)
+        closer = threading.Timer(0.05, rig.sim.close)
+        closer.start()
+        assert job.wait()  # woken by the close, before it or after it alike
+        closer.join()
+        outcome = job.outcome()
+        assert not outcome.success and "closed before the event completed" in (outcome.error or "")
+    finally:
+        kv.close()

@@ -33,7 +33,8 @@ The contract an implementation keeps (CUDA's, restated):
   :meth:`CudaDevice.clear_last_error` resets the thread's sticky error.
 
 All methods are called from the engine's submitting thread except
-``Event.query`` and ``Event.elapsed_time``, which any thread may call.
+``Event.query``, ``Event.synchronize`` and ``Event.elapsed_time``, which any
+thread may call.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class DeviceEvent(Protocol):
     def record(self, stream: Any = None) -> None: ...
 
     def query(self) -> bool: ...
+
+    def synchronize(self) -> None:
+        """Block until the event completed, releasing the GIL (raises on a device error)."""
+        ...
 
     def elapsed_time(self, end_event: Any) -> float:
         """Milliseconds from this event to ``end_event`` (both complete)."""
@@ -102,7 +107,7 @@ class CudaDevice(ABC):
 
     @abstractmethod
     def new_event(self) -> DeviceEvent:
-        """A new event with timing enabled."""
+        """A new event with timing enabled whose ``synchronize`` sleeps rather than spins."""
 
     @abstractmethod
     def on_stream(self, stream: DeviceStream) -> AbstractContextManager[None]:

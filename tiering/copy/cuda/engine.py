@@ -12,14 +12,16 @@ before queued work that still reads or zeroes them. It then waits for the end
 events of earlier jobs of *other* lanes that touch the same blocks, so a load
 submitted after a store of the same CPU block reads the stored bytes.
 
-Each job records a start and an end event. Completion is observed with
-``end_event.query()``, which never blocks: ``done()`` polls it, ``wait()``
-polls it with a short back-off, and ``wait_async()`` polls it from an asyncio
-loop with a back-off of 20 us doubling to 1 ms. Polling was chosen over waiting
-in an executor thread because a query costs about a microsecond while a
-thread hop costs 20-130 us on these machines (``docs/runtime.md``), a blocked
-``cudaEventSynchronize`` spins a core unless events are created with blocking
-sync, and an executor would need one thread per waited job.
+Each job records a start and an end event (blocking-sync events). Completion
+is observed with ``end_event.query()``, which never blocks: ``done()`` polls
+it; ``wait()`` without a timeout sleeps in ``cudaEventSynchronize`` (no core
+spins, the GIL is released, the thread wakes within microseconds of the end;
+a timed wait polls with a back-off, CUDA having no timed event wait); and
+``wait_async()`` polls from an asyncio loop with a back-off of 20 us doubling
+to 1 ms. The loop polls rather than waiting in an executor thread because a
+query costs about a microsecond while a thread hop costs 20-130 us on these
+machines (``docs/runtime.md``) and an executor would need one thread per
+waited job.
 
 How bytes move
 --------------
@@ -104,6 +106,24 @@ class CudaCopyJob(CopyJob):
                 seconds = 0.0
             self._finish(CopyOutcome(True, seconds))
         return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job finished or ``timeout`` seconds passed; True if finished.
+
+        Without a timeout the thread sleeps in ``cudaEventSynchronize`` on the
+        end event (a blocking-sync event: no core spins, the GIL is released)
+        and wakes within microseconds of the copy's end, where polling would
+        add up to its back-off. CUDA has no timed event wait, so a timeout
+        polls as the base class does.
+        """
+        if timeout is not None or self._outcome is not None:
+            return super().wait(timeout)
+        try:
+            self.end_event.synchronize()
+        except RuntimeError as exc:  # an asynchronous CUDA error surfaced here
+            self._finish(CopyOutcome(False, 0.0, f"{type(exc).__name__}: {exc}"))
+            return True
+        return self.done()
 
     def outcome(self) -> CopyOutcome:
         if not self.done() or self._outcome is None:

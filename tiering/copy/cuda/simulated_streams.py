@@ -46,6 +46,22 @@ class SimulatedEvent:
             self._device._raise_sticky_error()
             return self._reached >= self._issued
 
+    def synchronize(self) -> None:
+        """Block until the stream reached the latest record (or a sticky error is raised).
+
+        As on a GPU, a paused (hung) device blocks this forever; so does
+        manual mode until another thread steps the stream. A device closed
+        meanwhile drops its queued work: ``RuntimeError``.
+        """
+        with self._device._cond:
+            while True:
+                self._device._raise_sticky_error()
+                if self._reached >= self._issued:
+                    return
+                if self._device._closed:
+                    raise RuntimeError("the simulated device was closed before the event completed")
+                self._device._cond.wait()
+
     def elapsed_time(self, end_event: Any) -> float:
         with self._device._cond:
             for event in (self, end_event):
