@@ -67,7 +67,7 @@ EOF
 # -- 1. tests ------------------------------------------------------------------------
 say "== tests"
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_copy_cuda.py tests/test_copy_cuda_faults.py \
-  tests/test_copy_cuda_machine.py tests/test_gpu_check_scripts.py 2>&1 | tee -a "$LOG"
+  tests/test_copy_cuda_machine.py tests/test_copy_cuda_batch.py tests/test_gpu_check_scripts.py 2>&1 | tee -a "$LOG"
 TEST_RC=${PIPESTATUS[0]}
 TEST_LINE=$(grep -E ' in [0-9.]+s( \(.*\))?( =+)?$' "$LOG" | tail -1)
 

@@ -3,9 +3,10 @@
 Both functions only enqueue work on the device's current stream (see
 :meth:`~tiering.copy.cuda.device.CudaDevice.on_stream`); neither waits.
 
-* :func:`dma_copy`: one ``cudaMemcpyAsync`` per run of adjacent blocks, on the
-  GPU's copy engines (no SM is used). Best for large pages, where a few
-  microseconds of launch cost per run are amortised.
+* :func:`dma_copy`: one copy per run of adjacent blocks on the GPU's copy
+  engines (no SM is used), all runs of a tensor in one ``cudaMemcpyAsync``
+  batch call where the runtime has it (:mod:`~tiering.copy.cuda.memcpy_batch`),
+  else one ``cudaMemcpyAsync`` per run. Best for large pages.
 * :func:`kernel_copy`: the pinned buffer mapped into the device address space
   (a device tensor over host memory); one gather and one scatter kernel per
   tensor move every block of the job over PCIe. Best for small pages, where
@@ -30,11 +31,12 @@ def dma_copy(
     gpu_flat: torch.Tensor,
     host_flat: torch.Tensor,
     gpu_to_cpu: bool,
+    host_pinned: bool = False,
 ) -> None:
-    """Enqueue one copy per run of adjacent blocks of ``entry``.
+    """Enqueue one copy per run of adjacent blocks of ``entry`` (in one call where batched).
 
     ``gpu_flat`` / ``host_flat`` are 1-D byte views of the KV tensor and of the
-    primary buffer (asynchronous when the host is pinned).
+    primary buffer (asynchronous when the host is pinned: ``host_pinned``).
     """
     gpu_off = entry.gpu_offsets(gpu_rows.stride(0))
     cpu_off = entry.cpu_offsets(layout)
@@ -43,8 +45,7 @@ def dma_copy(
     else:
         src, dst, src_off, dst_off = host_flat, gpu_flat, cpu_off, gpu_off
     starts_s, starts_d, lengths = byte_runs(src_off, dst_off, entry.nbytes)
-    for s, d, n in zip(starts_s.tolist(), starts_d.tolist(), lengths.tolist(), strict=True):
-        device.copy_async(dst[d : d + n], src[s : s + n])
+    device.copy_runs_async(dst, src, starts_d, starts_s, lengths, host_pinned=host_pinned)
 
 
 def kernel_copy(

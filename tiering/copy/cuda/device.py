@@ -22,9 +22,10 @@ The contract an implementation keeps (CUDA's, restated):
   record of ``e`` issued before the call; ``stream.wait_stream(other)`` after
   everything ``other`` had been given before the call.
 * **Copies and kernels** (:meth:`CudaDevice.copy_async`,
-  :meth:`CudaDevice.launch`) are enqueued on the stream made current by
-  :meth:`CudaDevice.on_stream`; their operands must stay alive until the
-  stream has passed them (the caller keeps them). An error found while
+  :meth:`CudaDevice.copy_runs_async`, :meth:`CudaDevice.launch`) are
+  enqueued on the stream made current by :meth:`CudaDevice.on_stream`;
+  their operands must stay alive until the stream has passed them (the
+  caller keeps them). An error found while
   enqueuing raises at once; one found while running surfaces later, as a
   ``RuntimeError`` from an event's ``query()``.
 * **Host registration** returns CUDA error codes instead of raising: 0 on
@@ -47,6 +48,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from tiering.copy.cuda.memcpy_batch import check_runs
 
 if TYPE_CHECKING:
     from tiering.copy.cuda.pins import PinRegistry
@@ -118,6 +121,28 @@ class CudaDevice(ABC):
     @abstractmethod
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue ``dst[:] = src`` (equal byte sizes; host memory pinned for true DMA)."""
+
+    def copy_runs_async(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        dst_offsets: Any,
+        src_offsets: Any,
+        lengths: Any,
+        *,
+        host_pinned: bool,
+    ) -> None:
+        """Enqueue ``dst[d:d + n] = src[s:s + n]`` for every run, in order.
+
+        ``dst`` and ``src`` are 1-D byte tensors, one on the device and one
+        over host memory (pinned if ``host_pinned``). Raises ``ValueError``
+        before enqueuing anything if a run is empty or outside its tensor.
+        This default issues one :meth:`copy_async` per run; a device may move
+        them all in one call.
+        """
+        d, s, n = check_runs(dst.numel(), src.numel(), dst_offsets, src_offsets, lengths)
+        for dst_at, src_at, nbytes in zip(d.tolist(), s.tolist(), n.tolist(), strict=True):
+            self.copy_async(dst[dst_at : dst_at + nbytes], src[src_at : src_at + nbytes])
 
     @abstractmethod
     def launch(self, kernel: Callable[..., None], *args: Any) -> None:

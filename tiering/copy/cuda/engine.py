@@ -361,7 +361,9 @@ class CudaCopyEngine(CopyEngine):
                 )
             else:
                 flat = self._gpu_flat[entry.tensor_idx]
-                dma_copy(device, entry, self.layout, rows, flat, self._host_flat, to_cpu)
+                dma_copy(
+                    device, entry, self.layout, rows, flat, self._host_flat, to_cpu, self.pinned
+                )
 
     # -------------------------------------------------------------- shutdown
 

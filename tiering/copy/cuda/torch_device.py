@@ -1,16 +1,20 @@
 """The real device: :class:`~tiering.copy.cuda.device.CudaDevice` over ``torch.cuda``.
 
 Streams and events are torch's own (``torch.cuda.Stream`` / ``Event``);
-copies are ``Tensor.copy_(non_blocking=True)`` (a ``cudaMemcpyAsync``);
-kernels are torch's indexing operations, enqueued on the current stream as
-they are called. Host registration goes through ``torch.cuda.cudart()``; the
-two runtime calls torch does not wrap (``cudaHostGetDevicePointer``,
-``cudaGetLastError``) through ctypes, on the ``libcudart`` torch itself loaded.
+copies are ``Tensor.copy_(non_blocking=True)`` (a ``cudaMemcpyAsync``), and a
+job's runs to or from pinned memory one ``cudaMemcpyBatchAsync``
+(:mod:`~tiering.copy.cuda.memcpy_batch`) where the runtime has it and a
+self-test at first use passed; kernels are torch's indexing operations,
+enqueued on the current stream as they are called. Host registration goes
+through ``torch.cuda.cudart()``; the runtime calls torch does not wrap
+(``cudaHostGetDevicePointer``, ``cudaGetLastError``, the batch) through
+ctypes, on the ``libcudart`` torch itself loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -21,7 +25,10 @@ import numpy.typing as npt
 import torch
 
 from tiering.copy.cuda.device import CudaDevice, DeviceEvent, DeviceStream
+from tiering.copy.cuda.memcpy_batch import MemcpyBatch, check_runs, run_addresses
 from tiering.copy.cuda.pins import PROCESS_PINS
+
+logger = logging.getLogger(__name__)
 
 
 class _CudaRuntime:
@@ -88,9 +95,13 @@ class _CudaArrayInterface:
 
 
 class TorchCudaDevice(CudaDevice):
-    """A CUDA GPU through torch. Needs ``torch.cuda.is_available()``."""
+    """A CUDA GPU through torch. Needs ``torch.cuda.is_available()``.
 
-    def __init__(self, device: torch.device | str | int) -> None:
+    ``memcpy_batch=False`` issues one ``cudaMemcpyAsync`` per run even where
+    the batch call exists (for comparisons).
+    """
+
+    def __init__(self, device: torch.device | str | int, *, memcpy_batch: bool = True) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("the CUDA copy engine needs a CUDA device; use HostCopyEngine")
         where = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -99,6 +110,9 @@ class TorchCudaDevice(CudaDevice):
         index = torch.cuda.current_device() if where.index is None else where.index
         self.torch_device = torch.device("cuda", index)
         self.pins = PROCESS_PINS
+        #: The batch call once it passed its self-test; decided at the first batched copy.
+        self._batch: MemcpyBatch | None = None
+        self._batch_decided = not memcpy_batch
 
     def __repr__(self) -> str:
         return f"TorchCudaDevice({self.torch_device})"
@@ -133,6 +147,70 @@ class TorchCudaDevice(CudaDevice):
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+    def copy_runs_async(
+        self,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        dst_offsets: Any,
+        src_offsets: Any,
+        lengths: Any,
+        *,
+        host_pinned: bool,
+    ) -> None:
+        batch = self._memcpy_batch() if host_pinned else None
+        if batch is None:  # pageable memory: torch stages it, one copy at a time
+            super().copy_runs_async(
+                dst, src, dst_offsets, src_offsets, lengths, host_pinned=host_pinned
+            )
+            return
+        d, s, n = check_runs(dst.numel(), src.numel(), dst_offsets, src_offsets, lengths)
+        if not len(n):
+            return
+        dsts, srcs, sizes = run_addresses(dst.data_ptr(), src.data_ptr(), d, s, n)
+        stream = torch.cuda.current_stream(self.torch_device).cuda_stream
+        code = batch(dsts, srcs, sizes, stream)
+        if code != 0:
+            self.clear_last_error()
+            raise RuntimeError(f"cudaMemcpyBatchAsync of {len(n)} runs failed: CUDA error {code}")
+
+    def _memcpy_batch(self) -> MemcpyBatch | None:
+        """The batch call if this runtime has it and it copies right here (checked once)."""
+        if not self._batch_decided:
+            self._batch_decided = True
+            batch = MemcpyBatch(_cuda_runtime().lib)
+            why = batch.unavailable or self._batch_self_test(batch)
+            if why:
+                logger.info("one cudaMemcpyAsync per copy run: %s", why)
+            else:
+                self._batch = batch
+        return self._batch
+
+    def _batch_self_test(self, batch: MemcpyBatch) -> str | None:
+        """Two runs each way between pinned and device memory; why it failed, or None."""
+        host = torch.arange(4096, dtype=torch.int16).view(torch.int8).pin_memory()
+        back = torch.zeros_like(host).pin_memory()
+        offsets = (np.array([4096, 0]), np.array([0, 6144]), np.array([2048, 2048]))
+        stream: Any = torch.cuda.Stream(self.torch_device)  # type: ignore[no-untyped-call]
+        # Everything on the test's own stream: the caller may be inside a lane's stream.
+        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
+            on_device = torch.zeros(8192, dtype=torch.int8, device=self.torch_device)
+            for dst, src, (d, s, n) in (
+                (on_device, host, offsets),
+                (back, on_device, (offsets[1], offsets[0], offsets[2])),
+            ):
+                code = batch(
+                    *run_addresses(dst.data_ptr(), src.data_ptr(), d, s, n), stream.cuda_stream
+                )
+                if code != 0:
+                    self.clear_last_error()
+                    return f"cudaMemcpyBatchAsync failed its self-test: CUDA error {code}"
+            stream.synchronize()
+        expected = torch.zeros_like(host)
+        expected[0:2048], expected[6144:8192] = host[0:2048], host[6144:8192]
+        if not torch.equal(back, expected):
+            return "cudaMemcpyBatchAsync failed its self-test: wrong bytes"
+        return None
 
     def launch(self, kernel: Callable[..., None], *args: Any) -> None:
         kernel(*args)  # its operations enqueue themselves on the current stream
