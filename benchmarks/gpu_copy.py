@@ -7,7 +7,9 @@ back through the public worker API (submit + wait), per strategy of our CUDA
 engine (``dma``, ``kernel``, ``auto``), and through vLLM's
 ``CPUOffloadingWorker`` on the same blocks where vLLM imports. The ceiling
 is one ``cudaMemcpyAsync`` of the same number of bytes between a pinned host
-buffer and the device, timed with events in the same run. ``GB/s`` is what the
+buffer and the device, timed with events, one between every two jobs of the
+row (the bus of a shared machine has slow spells: each row's ratio compares
+figures taken side by side). ``GB/s`` is what the
 caller sees (submit, then ``wait``, wall clock); ``on-GPU GB/s`` is our jobs'
 own event-timed ``transfer_time`` (median), which leaves out the submission's
 Python and the wake-up: the gap between the two is what the waiting costs.
@@ -19,7 +21,7 @@ in this run only.
 ``--device simulated`` runs the same code on the simulated device (host
 memory, CUDA's ordering rules): a smoke run of the benchmark itself, whose
 figures mean nothing. ``--json PATH`` also writes the rows and verdicts.
-Run: ``python benchmarks/gpu_copy.py [--job-mib 64] [--reps 21]``; ``--smoke`` (1 MiB
+Run: ``python benchmarks/gpu_copy.py [--job-mib 64] [--reps 61]``; ``--smoke`` (1 MiB
 jobs, one rep) checks the script in seconds, with ``--device simulated`` anywhere.
 """
 
@@ -29,6 +31,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.support.common import KIB, MIB, median_seconds, print_aligned_table
+from benchmarks.support.common import KIB, MIB, print_aligned_table
 from tiering.copy import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -114,30 +117,37 @@ class Device:
 
         return {"device": TorchCudaDevice("cuda", memcpy_batch=False)}
 
-    def ceiling(self, nbytes: int, reps: int) -> dict[bool, float]:
-        """GB/s of one pinned copy of ``nbytes``, per direction (True: device -> host)."""
+    def ceiling(self, nbytes: int) -> Callable[[bool], float]:
+        """Seconds of one pinned copy of ``nbytes`` (True: device -> host), per call.
+
+        Event-timed on a GPU. Called between the engine's jobs, so every row's
+        ceiling is measured under the same conditions as the row itself.
+        """
         if self.sim is not None:
             a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-            seconds = median_seconds(lambda: b.copy_(a), reps)
-            return {True: nbytes / seconds / 1e9, False: nbytes / seconds / 1e9}
+
+            def host_copy(to_host: bool) -> float:
+                start = time.perf_counter()
+                b.copy_(a)
+                return time.perf_counter() - start
+
+            return host_copy
         pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        out = {}
-        for to_host in (True, False):
-            times = []
-            for _ in range(reps + 1):
-                start.record()
-                if to_host:
-                    pinned.copy_(device, non_blocking=True)
-                else:
-                    device.copy_(pinned, non_blocking=True)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e-3)
-            out[to_host] = nbytes / statistics.median(times[1:]) / 1e9
-        return out
+
+        def pinned_copy(to_host: bool) -> float:
+            start.record()
+            if to_host:
+                pinned.copy_(device, non_blocking=True)
+            else:
+                device.copy_(pinned, non_blocking=True)
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end)) * 1e-3
+
+        return pinned_copy
 
     def close(self) -> None:
         if self.sim is not None:
@@ -162,7 +172,12 @@ def time_worker(
     jobs: list[tuple[list[int], list[int]]],
     store: bool,
     reps: int,
-) -> float:
+    ceiling: Callable[[bool], float],
+) -> tuple[float, float]:
+    """Median wall seconds of one job (submit, then wait) and of the ceiling copy between jobs.
+
+    The two alternate, so a slow spell of the bus or the host slows both alike.
+    """
     counter = iter(range(1, 1 << 30))
 
     def one() -> None:
@@ -171,7 +186,15 @@ def time_worker(
         submit(job_id, store, gpu_ids, cpu_ids)
         wait(job_id)
 
-    return median_seconds(one, reps)
+    one()  # warm-up: first touch, thread start, caches
+    ceiling(store)
+    jobs_s, ceilings_s = [], []
+    for _ in range(reps):
+        begin = time.perf_counter()
+        one()
+        jobs_s.append(time.perf_counter() - begin)
+        ceilings_s.append(ceiling(store))
+    return statistics.median(jobs_s), statistics.median(ceilings_s)
 
 
 class OurWorker:
@@ -204,7 +227,11 @@ def our_rows(
     per_job = max(1, job_bytes // block)
     num_gpu = num_cpu = per_job * 4
     moved = per_job * block
-    ceilings = device.ceiling(moved, reps)
+    ceiling = device.ceiling(moved)
+    # For rows with nothing measured: the ceiling alone, as it stands before any job.
+    ceilings = {
+        d: moved / statistics.median(ceiling(d) for _ in range(5)) / 1e9 for d in (True, False)
+    }
     tensors = [device.random_tensor(num_gpu, page, seed) for seed in range(layers)]
     kv = CanonicalKVCaches(
         [CanonicalKVCacheTensor(t, page) for t in tensors],
@@ -228,15 +255,19 @@ def our_rows(
                 driver = OurWorker(worker)
                 for direction, store in (("store", True), ("load", False)):
                     driver.gpu_seconds.clear()
-                    seconds = time_worker(driver.submit, driver.wait, jobs, store, reps)
-                    gbps = moved / seconds / 1e9
+                    seconds, best = time_worker(
+                        driver.submit, driver.wait, jobs, store, reps, ceiling
+                    )
                     on_gpu = statistics.median(driver.gpu_seconds[1:])  # after the warm-up
                     gpu_gbps = moved / on_gpu / 1e9 if on_gpu > 0 else None
-                    rows.append(Row(name, label, direction, gbps, ceilings[store], "", gpu_gbps))
+                    gbps, ceiling_gbps = moved / seconds / 1e9, moved / best / 1e9
+                    rows.append(Row(name, label, direction, gbps, ceiling_gbps, "", gpu_gbps))
             finally:
                 worker.shutdown()
     try:
-        rows += vllm_rows(device, label, tensors, page, layers, jobs, moved, ceilings, reps)
+        rows += vllm_rows(
+            device, label, tensors, page, layers, jobs, moved, ceilings, reps, ceiling
+        )
     except Exception as exc:  # vLLM imports but its worker cannot run here: a row that says so
         why = f"vLLM's worker failed: {type(exc).__name__}: {exc}"
         rows += [
@@ -255,6 +286,7 @@ def vllm_rows(
     moved: int,
     ceilings: dict[bool, float],
     reps: int,
+    ceiling: Callable[[bool], float],
 ) -> list[Row]:
     """vLLM's CPUOffloadingWorker on the same tensors and blocks, where it can run."""
     why = vllm_unavailable(device)
@@ -289,8 +321,8 @@ def vllm_rows(
             assert result.success
 
         for direction, store in (("store", True), ("load", False)):
-            seconds = time_worker(submit, wait, jobs, store, reps)
-            rows.append(Row("vllm", label, direction, moved / seconds / 1e9, ceilings[store]))
+            seconds, best = time_worker(submit, wait, jobs, store, reps, ceiling)
+            rows.append(Row("vllm", label, direction, moved / seconds / 1e9, moved / best / 1e9))
     finally:
         worker.shutdown()
     return rows
@@ -371,7 +403,7 @@ def main(argv: Any = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "simulated"), default="cuda")
     parser.add_argument("--job-mib", type=int, default=64, help="bytes moved per job (MiB)")
-    parser.add_argument("--reps", type=int, default=21, help="timed repetitions per row")
+    parser.add_argument("--reps", type=int, default=61, help="timed repetitions per row")
     parser.add_argument("--json", help="also write the rows and verdicts to this file")
     parser.add_argument(
         "--smoke", action="store_true", help="a few seconds: 1 MiB jobs, 1 rep (any --device)"

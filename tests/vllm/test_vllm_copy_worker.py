@@ -2,7 +2,7 @@
 and its start-up checks (sizes with units, host memory) under vLLM.
 
 These machines have no GPU, so the GPU platform is answered by patching the
-one function the spec asks (``tiering.integrations.vllm.platform.has_gpu``)
+one function the spec asks (``tiering.integrations.vllm.platform.device_kind``)
 and vLLM's worker class is replaced by a recorder: what is tested is the
 selection, not vLLM's CUDA code.
 """
@@ -40,34 +40,40 @@ OUR_SPEC = {"spec_name": "KVTieringOffloadingSpec", "spec_module_path": "tiering
 
 
 @pytest.mark.parametrize(
-    ("requested", "gpu", "chosen"),
+    ("requested", "platform", "chosen"),
     [
-        ("auto", True, "vllm"),  # until our CUDA engine passes the GPU check
-        ("auto", False, "host"),  # vLLM's worker refuses CPU platforms
-        ("cuda", True, "cuda"),
-        ("vllm", True, "vllm"),
-        ("host", False, "host"),
+        ("auto", "cuda", "cuda"),  # ours passed the GPU check on an H100
+        ("auto", "rocm", "vllm"),  # ours has never run on ROCm
+        ("auto", "xpu", "vllm"),
+        ("auto", "cpu", "host"),  # vLLM's worker refuses CPU platforms
+        ("cuda", "cuda", "cuda"),
+        ("cuda", "rocm", "cuda"),  # asked for by name
+        ("vllm", "cuda", "vllm"),
+        ("vllm", "xpu", "vllm"),
+        ("host", "cpu", "host"),
     ],
 )
-def test_copy_engine_selection(requested: str, gpu: bool, chosen: str) -> None:
-    assert resolve_copy_engine(requested, gpu_platform=gpu) == chosen
+def test_copy_engine_selection(requested: str, platform: Any, chosen: str) -> None:
+    assert resolve_copy_engine(requested, platform=platform) == chosen
 
 
 @pytest.mark.parametrize(
-    ("requested", "gpu", "message"),
+    ("requested", "platform", "message"),
     [
-        ("fast", True, "copy_engine must be one of 'auto', 'vllm', 'cuda', 'host', got 'fast'"),
-        (None, False, "copy_engine must be one of"),
-        ("cuda", False, "copy_engine 'cuda' needs a CUDA device"),
-        ("vllm", False, "copy_engine 'vllm' needs a CUDA device"),
-        ("host", True, "copy_engine 'host' copies CPU KV tensors"),
+        ("fast", "cuda", "copy_engine must be one of 'auto', 'vllm', 'cuda', 'host', got 'fast'"),
+        (None, "cpu", "copy_engine must be one of"),
+        ("cuda", "cpu", "copy_engine 'cuda' needs a CUDA or ROCm GPU, .* is 'cpu'; .* or 'host'"),
+        ("cuda", "xpu", "copy_engine 'cuda' needs a CUDA or ROCm GPU, .* is 'xpu'; .* or 'vllm'"),
+        ("vllm", "cpu", "copy_engine 'vllm' needs a GPU"),
+        ("host", "cuda", "copy_engine 'host' copies CPU KV tensors"),
+        ("host", "xpu", "copy_engine 'host' copies CPU KV tensors"),
     ],
 )
 def test_copy_engine_that_cannot_run_is_refused_naming_it(
-    requested: Any, gpu: bool, message: str
+    requested: Any, platform: Any, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        resolve_copy_engine(requested, gpu_platform=gpu)
+        resolve_copy_engine(requested, platform=platform)
 
 
 class RecordingVllmWorker:
@@ -85,16 +91,26 @@ def spec_for(extra: dict[str, Any], **fields: Any) -> KVTieringOffloadingSpec:
     return KVTieringOffloadingSpec(dataclasses.replace(config, **fields))
 
 
-def test_auto_on_a_gpu_platform_runs_vllms_worker_and_names_its_layout(
+def test_auto_on_an_nvidia_gpu_is_our_cuda_engine(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(platform_probe, "has_gpu", lambda: True)
+    monkeypatch.setattr(platform_probe, "device_kind", lambda: "cuda")
+    with caplog.at_level("INFO", logger="tiering.integrations.vllm"):
+        spec = spec_for(OUR_SPEC)
+    assert spec.copy_engine == "cuda" and spec.row_layout == OUR_ROW_LAYOUT
+    assert any("passed the GPU check on real hardware" in m for m in caplog.messages)
+
+
+def test_auto_on_rocm_runs_vllms_worker_and_names_its_layout(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(platform_probe, "device_kind", lambda: "rocm")
     monkeypatch.setattr(vllm_tiering_spec, "CPUOffloadingWorker", RecordingVllmWorker)
     RecordingVllmWorker.built.clear()
     with caplog.at_level("INFO", logger="tiering.integrations.vllm"):
         spec = spec_for(OUR_SPEC)
     assert spec.copy_engine == "vllm"
-    assert any("not yet passed the GPU check" in m for m in caplog.messages)
+    assert any("never run on ROCm" in m for m in caplog.messages)
     major_minor = ".".join(vllm.__version__.split(".")[:2])
     assert spec.row_layout == f"vllm-{major_minor}-worker/direct"
     worker = spec.get_worker(kv_caches=object())
@@ -105,23 +121,28 @@ def test_auto_on_a_gpu_platform_runs_vllms_worker_and_names_its_layout(
     kwargs["mmap_region"].cleanup()
 
 
-def test_copy_engine_cuda_selects_ours_on_a_gpu_platform(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(platform_probe, "has_gpu", lambda: True)
-    spec = spec_for({**OUR_SPEC, "copy_engine": "cuda"})
-    assert spec.copy_engine == "cuda" and spec.row_layout == OUR_ROW_LAYOUT
+def test_copy_engine_vllm_selects_vllms_worker_on_an_nvidia_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(platform_probe, "device_kind", lambda: "cuda")
+    spec = spec_for({**OUR_SPEC, "copy_engine": "vllm"})
+    assert spec.copy_engine == "vllm" and spec.row_layout != OUR_ROW_LAYOUT
 
 
 def test_on_this_cpu_platform_auto_is_our_host_engine() -> None:
     spec = spec_for(OUR_SPEC)
     assert spec.copy_engine == "host" and spec.row_layout == OUR_ROW_LAYOUT
     assert not hasattr(spec, "_worker") or not spec._worker
-    with pytest.raises(ValueError, match="copy_engine 'cuda' needs a CUDA device"):
+    with pytest.raises(ValueError, match="copy_engine 'cuda' needs a CUDA or ROCm GPU"):
         spec_for({**OUR_SPEC, "copy_engine": "cuda"})
 
 
-def test_canonical_layout_is_refused_for_our_engines() -> None:
-    with pytest.raises(ValueError, match="does not write canonical_layout rows"):
-        spec_for(OUR_SPEC, canonical_layout=True)
+def test_canonical_layout_is_refused_for_our_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="copy_engine 'host' does not write canonical_layout"):
+        spec_for(OUR_SPEC, canonical_layout=True)  # a CPU platform: auto is our host engine
+    monkeypatch.setattr(platform_probe, "device_kind", lambda: "cuda")
+    with pytest.raises(ValueError, match="copy_engine 'cuda' does not write canonical_layout"):
+        spec_for({**OUR_SPEC, "copy_engine": "cuda"}, canonical_layout=True)
 
 
 def test_the_fingerprint_names_the_row_layout_of_the_worker() -> None:
@@ -164,9 +185,10 @@ def test_blocks_written_under_one_row_layout_are_misses_under_another(tmp_path: 
 def test_vllms_worker_may_write_canonical_rows_and_the_fingerprint_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(platform_probe, "has_gpu", lambda: True)
-    canonical = spec_for(OUR_SPEC, canonical_layout=True)
-    direct = spec_for(OUR_SPEC)
+    monkeypatch.setattr(platform_probe, "device_kind", lambda: "cuda")
+    canonical = spec_for(OUR_SPEC, canonical_layout=True)  # auto: vLLM's worker writes them
+    assert canonical.copy_engine == "vllm"
+    direct = spec_for({**OUR_SPEC, "copy_engine": "vllm"})
     assert canonical.row_layout.endswith("/canonical") and direct.row_layout.endswith("/direct")
     assert layout_fingerprint(canonical, 65536) != layout_fingerprint(direct, 65536)
 

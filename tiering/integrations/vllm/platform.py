@@ -6,9 +6,19 @@ depends on it, and these machines have no GPU.
 
 from __future__ import annotations
 
+from typing import Literal
 
-def has_gpu() -> bool:
-    """Whether vLLM's current platform is CUDA-alike (CUDA, ROCm) or XPU."""
+DeviceKind = Literal["cuda", "rocm", "xpu", "cpu"]
+
+
+def device_kind() -> DeviceKind:
+    """``"cuda"`` (NVIDIA), ``"rocm"``, ``"xpu"`` or ``"cpu"`` (anything else): vLLM's platform."""
     from vllm.platforms import current_platform
 
-    return bool(current_platform.is_cuda_alike() or current_platform.is_xpu())
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_rocm():
+        return "rocm"
+    if current_platform.is_xpu():
+        return "xpu"
+    return "cpu"

@@ -13,12 +13,13 @@ tests it, and puts our code where it adds to it: the tiers and the copies.
 
 Worker side, by ``copy_engine`` (:func:`resolve_copy_engine`):
 
-* ``"auto"`` (default): vLLM's own ``CPUOffloadingWorker`` on CUDA-alike and
-  XPU platforms - it runs on CUDA streams and events too, and vLLM's users run
-  it every day - until our CUDA engine has passed the GPU check on real
-  hardware (``make gpu-check``, recorded in ``docs/copy-engine.md``); our host
-  engine on CPU platforms, where vLLM's worker refuses to start;
-* ``"cuda"``: our CUDA engine (streams and events, :mod:`tiering.copy.cuda`);
+* ``"auto"`` (default): our CUDA engine on NVIDIA GPUs, where it passed the
+  GPU check on real hardware (``make gpu-check``, recorded in
+  ``docs/copy-engine.md``); vLLM's own ``CPUOffloadingWorker`` on ROCm and XPU,
+  where ours has never run; our host engine on CPU platforms, where vLLM's
+  worker refuses to start;
+* ``"cuda"``: our CUDA engine (streams and events, :mod:`tiering.copy.cuda`) on
+  NVIDIA and ROCm GPUs (torch's ``cuda`` device);
 * ``"host"``: our host engine (CPU KV tensors);
 * ``"vllm"``: vLLM's worker, explicitly.
 
@@ -46,6 +47,7 @@ from tiering.copy import CopyWorker, make_copy_worker
 from tiering.core.errors import ConfigError
 from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from tiering.integrations.vllm.manager_keys import check_manager_keys
+from tiering.integrations.vllm.platform import DeviceKind
 from tiering.integrations.vllm.policy import vllm_cache_policy
 from tiering.integrations.vllm.translate import vllm_row_layout
 from tiering.support.units import config_bytes
@@ -143,32 +145,53 @@ class CopyEngineOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLL
                 self._region.cleanup()
 
 
+#: Why ``copy_engine: "auto"`` chose what it chose, per platform (logged at start-up).
+_AUTO_REASONS = {
+    "cuda": "our CUDA engine: it passed the GPU check on real hardware (docs/copy-engine.md); "
+    "copy_engine 'vllm' selects vLLM's CPUOffloadingWorker",
+    "rocm": "vLLM's CPUOffloadingWorker: our CUDA engine has never run on ROCm; "
+    "copy_engine 'cuda' selects it",
+    "xpu": "vLLM's CPUOffloadingWorker: our CUDA engine does not run on XPU",
+    "cpu": "our host engine: the KV cache is in CPU memory, where vLLM's worker does not run",
+}
 #: What ``copy_engine`` may name.
 COPY_ENGINES = ("auto", "vllm", "cuda", "host")
 #: The row layout our copy engines (host and CUDA) write: ``tiering.copy.layout.KVLayout``.
 OUR_ROW_LAYOUT = "kv-tiering-worker/1"
 
 
-def resolve_copy_engine(requested: object, *, gpu_platform: bool) -> str:
+#: What ``copy_engine: "auto"`` runs on each kind of platform (see the module docstring).
+AUTO_ENGINE = {"cuda": "cuda", "rocm": "vllm", "xpu": "vllm", "cpu": "host"}
+
+
+def resolve_copy_engine(
+    requested: object, *, platform: DeviceKind, canonical_layout: bool = False
+) -> str:
     """The worker ``copy_engine: requested`` runs on this platform.
 
-    ``gpu_platform`` is vLLM's ``current_platform.is_cuda_alike() or
-    is_xpu()``. Raises ``ValueError`` naming the key for a value it does not
-    know or an engine this platform cannot run.
+    ``platform`` is :func:`tiering.integrations.vllm.platform.device_kind`.
+    ``"auto"`` with ``canonical_layout`` on a GPU is vLLM's worker, the one
+    that writes canonical rows. Raises ``ValueError`` naming the key for a
+    value it does not know or an engine this platform cannot run.
     """
     if requested not in COPY_ENGINES:
         raise ValueError(
             f"copy_engine must be one of {', '.join(map(repr, COPY_ENGINES))}, got {requested!r}"
         )
     if requested == "auto":
-        # vLLM's worker until ours passes the GPU check on real hardware (docs/copy-engine.md).
-        return "vllm" if gpu_platform else "host"
-    if requested in ("vllm", "cuda") and not gpu_platform:
+        if canonical_layout and platform != "cpu":
+            return "vllm"
+        return AUTO_ENGINE[platform]
+    if requested == "cuda" and platform not in ("cuda", "rocm"):
         raise ValueError(
-            f"copy_engine {requested!r} needs a CUDA device, and this vLLM platform has none; "
-            "use 'auto' or 'host'"
+            f"copy_engine 'cuda' needs a CUDA or ROCm GPU, and this vLLM platform is {platform!r}; "
+            f"use 'auto' or {'vllm' if platform == 'xpu' else 'host'!r}"
         )
-    if requested == "host" and gpu_platform:
+    if requested == "vllm" and platform == "cpu":
+        raise ValueError(
+            "copy_engine 'vllm' needs a GPU, and this vLLM platform has none; use 'auto' or 'host'"
+        )
+    if requested == "host" and platform != "cpu":
         raise ValueError(
             "copy_engine 'host' copies CPU KV tensors, and this vLLM platform keeps them on "
             "the GPU; use 'auto', 'vllm' or 'cuda'"
@@ -193,7 +216,11 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
         self.eviction_policy, self.cache_policy_module_path = vllm_cache_policy(self.extra_config)
         check_manager_keys(self.extra_config)  # our manager's keys: honoured or refused
         requested = self.extra_config.get("copy_engine", "auto")
-        self.copy_engine = resolve_copy_engine(requested, gpu_platform=platform_probe.has_gpu())
+        platform = platform_probe.device_kind()
+        canonical = bool(self.config.canonical_layout)
+        self.copy_engine = resolve_copy_engine(
+            requested, platform=platform, canonical_layout=canonical
+        )
         if self.copy_engine != "vllm" and self.config.canonical_layout:
             raise ValueError(
                 f"copy_engine {self.copy_engine!r} does not write canonical_layout rows; remove "
@@ -206,14 +233,10 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
             else OUR_ROW_LAYOUT
         )
         if requested == "auto":
-            logger.info(
-                "copy_engine 'auto' chose %s: %s",
-                "vLLM's CPUOffloadingWorker" if self.copy_engine == "vllm" else "our host engine",
-                "our CUDA engine has not yet passed the GPU check on real hardware; "
-                "copy_engine 'cuda' selects it"
-                if self.copy_engine == "vllm"
-                else "the KV cache is in CPU memory, where vLLM's worker does not run",
-            )
+            reason = _AUTO_REASONS[platform]
+            if canonical and platform != "cpu":
+                reason = "vLLM's CPUOffloadingWorker: canonical_layout rows are only its own"
+            logger.info("copy_engine 'auto' chose %s", reason)
 
     def get_manager(self) -> Any:
         """vLLM's manager, after checking that its shared CPU tier fits this host.
