@@ -47,7 +47,8 @@ docs: $(STAMP)
 
 # The CUDA engine and its device seam, line coverage on the simulated device (no GPU
 # needed); fails under 90 % (pyproject.toml's [tool.coverage.*]).
-CUDA_TESTS := tests/test_copy_cuda.py tests/test_copy_cuda_faults.py tests/test_copy_cuda_machine.py
+CUDA_TESTS := tests/test_copy_cuda.py tests/test_copy_cuda_faults.py tests/test_copy_cuda_machine.py \
+              tests/test_copy_cuda_batch.py
 cuda-coverage: $(STAMP)
 	$(PY) -m coverage run -m pytest -q -p no:cacheprovider $(CUDA_TESTS)
 	$(PY) -m coverage report
