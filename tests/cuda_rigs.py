@@ -40,7 +40,14 @@ CPU_BLOCKS = 24
 ONE_GROUP = ([4096], [[(0, 3000)]])
 TWO_GROUPS = ([2048, 4096], [[(0, 2048), (1, 3000)], [(1, 4096)]])
 THREE_GROUPS = ([2048, 4096, 1024], [[(0, 2048)], [(1, 3500), (2, 1000)], [(2, 1024), (0, 1800)]])
-SHAPES = {"1-group": ONE_GROUP, "2-groups": TWO_GROUPS, "3-groups": THREE_GROUPS}
+#: Unpadded sizes of odd and 2-byte multiples (2,047 and 3,002 bytes): no alignment to lean on.
+ODD_BYTES = ([2048, 4096], [[(0, 2047)], [(1, 3002)]])
+SHAPES = {
+    "1-group": ONE_GROUP,
+    "2-groups": TWO_GROUPS,
+    "3-groups": THREE_GROUPS,
+    "odd-bytes": ODD_BYTES,
+}
 #: Blocks per group in the round trips, and the request block each group starts at.
 GROUP_SIZES = [5, 3, 4]
 GROUP_STARTS = [3, 1, 2]

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
 import threading
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -249,6 +251,29 @@ def test_a_buffer_over_the_chunk_size_is_registered_in_row_aligned_chunks(kind: 
             kv.worker.shutdown()
         assert not rig.is_pinned(host) and pins.get(host.ctypes.data, host.nbytes) is None
         kv.host.close()
+
+
+@pytest.mark.parametrize("kind", RIG_KINDS)
+def test_a_shared_buffer_attached_by_the_worker_is_pinned_and_copied_through(kind: str) -> None:
+    """As under vLLM: the scheduler creates the CPU tier in /dev/shm, the worker attaches."""
+    row = required_cpu_block_bytes(PAGES, 1)
+    name = f"kvtier-cudatest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with rig_for(kind) as rig, HostBuffer.create(CPU_BLOCKS, row, shared_name=name) as owner:
+        try:
+            owner.as_numpy()[:] = SENTINEL
+            attached = HostBuffer.attach(name, CPU_BLOCKS, row)
+            kv = KVRig(rig, TWO_GROUPS, host=attached)
+            try:
+                assert kv.worker.engine.pinned  # type: ignore[attr-defined]
+                round_trip(kv, seed=10)
+                # The owner's mapping sees what the engine wrote through the worker's.
+                assert np.array_equal(owner.as_numpy(), attached.as_numpy())
+                assert not np.all(owner.as_numpy() == SENTINEL)
+            finally:
+                kv.worker.shutdown()
+                attached.close()
+        finally:
+            owner.unlink()
 
 
 # -- ordering -----------------------------------------------------------------------------

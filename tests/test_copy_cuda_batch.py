@@ -1,4 +1,4 @@
-"""Copy runs: the bounds check, ``cudaMemcpyBatchAsync``'s two signatures, and the per-run default.
+"""Copy runs: the bounds check, ``cudaMemcpyBatchAsync``'s two signatures, the per-run default.
 
 The batch call's arguments are checked against a stand-in runtime library
 (both ABIs: CUDA 12.8/12.9 with ``failIdx``, 13.0 without), everywhere; the
