@@ -27,14 +27,19 @@ class FakeRuntime:
     def __init__(self, version: int, answer: int = 0) -> None:
         self.version, self.answer = version, answer
         self.calls: list[tuple[Any, ...]] = []
+        self.cleared = False
 
     def cudaRuntimeGetVersion(self, out: Any) -> int:
         out._obj.value = self.version
-        return 0
+        return 0 if self.version else 35  # cudaErrorInsufficientDriver
 
     def cudaMemcpyBatchAsync(self, *args: Any) -> int:
         self.calls.append(args)
         return self.answer
+
+    def cudaGetLastError(self) -> int:
+        self.cleared = True
+        return 0
 
 
 def read_u64(pointer: Any, count: int) -> list[int]:
@@ -87,6 +92,25 @@ def test_the_batch_call_passes_the_signature_of_its_runtime(
     assert batch(dsts, srcs, sizes, stream_handle=0xABC) == 1  # an error code, not an exception
 
 
+def test_copy_runs_checks_then_enqueues_all_runs_in_one_call() -> None:
+    runtime = FakeRuntime(13000)
+    batch = MemcpyBatch(runtime)
+    batch.copy_runs((1 << 30, 8192), (1 << 20, 4096), [4096, 0], [0, 2048], [2048, 2048], 7)
+    (args,) = runtime.calls
+    assert read_u64(args[0], 2) == [(1 << 30) + 4096, 1 << 30]
+    assert read_u64(args[1], 2) == [1 << 20, (1 << 20) + 2048]
+    assert read_u64(args[2], 2) == [2048, 2048] and args[-1].value == 7
+    batch.copy_runs((1 << 30, 8192), (1 << 20, 4096), [], [], [], 7)  # nothing: no call
+    assert len(runtime.calls) == 1
+    with pytest.raises(ValueError, match="run 0"):
+        batch.copy_runs((1 << 30, 8192), (1 << 20, 4096), [0], [4000], [2048], 7)
+    assert len(runtime.calls) == 1 and not runtime.cleared
+    runtime.answer = 700
+    with pytest.raises(RuntimeError, match="of 1 runs failed: CUDA error 700"):
+        batch.copy_runs((1 << 30, 8192), (1 << 20, 4096), [0], [0], [2048], 7)
+    assert runtime.cleared  # the thread's last error does not linger
+
+
 def test_without_the_call_the_batch_says_why_and_refuses_to_run() -> None:
     class Old:
         def cudaRuntimeGetVersion(self, out: Any) -> int:
@@ -96,6 +120,7 @@ def test_without_the_call_the_batch_says_why_and_refuses_to_run() -> None:
     cases = [
         (None, "no CUDA runtime library"),
         (Old(), "has no cudaMemcpyBatchAsync"),
+        (FakeRuntime(0), "cudaRuntimeGetVersion failed"),
         (FakeRuntime(12040), "CUDA runtime 12040 predates"),
     ]
     for lib, why in cases:

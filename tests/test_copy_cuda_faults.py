@@ -363,3 +363,19 @@ def test_an_untimed_wait_on_a_device_closed_meanwhile_fails_the_job(rig: Simulat
         assert not outcome.success and "closed before the event completed" in (outcome.error or "")
     finally:
         kv.close()
+
+
+def test_a_timing_the_device_cannot_give_still_reports_the_job_done(rig: SimulatedRig) -> None:
+    class Untimed:
+        def elapsed_time(self, end_event: Any) -> float:
+            raise RuntimeError("CUDA error: invalid resource handle (no timing on this event)")
+
+    kv = KVRig(rig, TWO_GROUPS)
+    try:
+        job, _ = spied_store(kv, 4, 4)
+        job.start_event = Untimed()
+        assert job.wait()
+        assert job.outcome().success and job.outcome().seconds == 0.0
+        assert not rig.sim.step(rig.sim.default_stream)  # nothing queued: nothing to run
+    finally:
+        kv.close()

@@ -135,3 +135,26 @@ class MemcpyBatch:
             args.append(ctypes.byref(ctypes.c_size_t(0)))  # failIdx (12.8, 12.9)
         args.append(ctypes.c_void_p(stream_handle))
         return int(self.lib.cudaMemcpyBatchAsync(*args))
+
+    def copy_runs(
+        self,
+        dst: tuple[int, int],
+        src: tuple[int, int],
+        dst_offsets: Any,
+        src_offsets: Any,
+        lengths: Any,
+        stream_handle: int,
+    ) -> None:
+        """Enqueue every run between ``dst`` and ``src`` (each ``(address, nbytes)``).
+
+        ``ValueError`` (before anything is enqueued) for a run outside its
+        buffer; ``RuntimeError`` naming the CUDA error if the call fails, after
+        clearing the thread's last error.
+        """
+        d, s, n = check_runs(dst[1], src[1], dst_offsets, src_offsets, lengths)
+        if not len(n):
+            return
+        code = self(*run_addresses(dst[0], src[0], d, s, n), stream_handle)
+        if code != 0:
+            self.lib.cudaGetLastError()
+            raise RuntimeError(f"cudaMemcpyBatchAsync of {len(n)} runs failed: CUDA error {code}")

@@ -25,7 +25,7 @@ import numpy.typing as npt
 import torch
 
 from tiering.copy.cuda.device import CudaDevice, DeviceEvent, DeviceStream
-from tiering.copy.cuda.memcpy_batch import MemcpyBatch, check_runs, run_addresses
+from tiering.copy.cuda.memcpy_batch import MemcpyBatch
 from tiering.copy.cuda.pins import PROCESS_PINS
 
 logger = logging.getLogger(__name__)
@@ -164,15 +164,14 @@ class TorchCudaDevice(CudaDevice):
                 dst, src, dst_offsets, src_offsets, lengths, host_pinned=host_pinned
             )
             return
-        d, s, n = check_runs(dst.numel(), src.numel(), dst_offsets, src_offsets, lengths)
-        if not len(n):
-            return
-        dsts, srcs, sizes = run_addresses(dst.data_ptr(), src.data_ptr(), d, s, n)
-        stream = torch.cuda.current_stream(self.torch_device).cuda_stream
-        code = batch(dsts, srcs, sizes, stream)
-        if code != 0:
-            self.clear_last_error()
-            raise RuntimeError(f"cudaMemcpyBatchAsync of {len(n)} runs failed: CUDA error {code}")
+        batch.copy_runs(
+            (dst.data_ptr(), dst.numel()),
+            (src.data_ptr(), src.numel()),
+            dst_offsets,
+            src_offsets,
+            lengths,
+            torch.cuda.current_stream(self.torch_device).cuda_stream,
+        )
 
     def _memcpy_batch(self) -> MemcpyBatch | None:
         """The batch call if this runtime has it and it copies right here (checked once)."""
@@ -190,22 +189,18 @@ class TorchCudaDevice(CudaDevice):
         """Two runs each way between pinned and device memory; why it failed, or None."""
         host = torch.arange(4096, dtype=torch.int16).view(torch.int8).pin_memory()
         back = torch.zeros_like(host).pin_memory()
-        offsets = (np.array([4096, 0]), np.array([0, 6144]), np.array([2048, 2048]))
         stream: Any = torch.cuda.Stream(self.torch_device)  # type: ignore[no-untyped-call]
-        # Everything on the test's own stream: the caller may be inside a lane's stream.
-        with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
-            on_device = torch.zeros(8192, dtype=torch.int8, device=self.torch_device)
-            for dst, src, (d, s, n) in (
-                (on_device, host, offsets),
-                (back, on_device, (offsets[1], offsets[0], offsets[2])),
-            ):
-                code = batch(
-                    *run_addresses(dst.data_ptr(), src.data_ptr(), d, s, n), stream.cuda_stream
-                )
-                if code != 0:
-                    self.clear_last_error()
-                    return f"cudaMemcpyBatchAsync failed its self-test: CUDA error {code}"
-            stream.synchronize()
+        try:
+            # Everything on the test's own stream: the caller may be inside a lane's stream.
+            with torch.cuda.device(self.torch_device), torch.cuda.stream(stream):
+                on_device = torch.zeros(8192, dtype=torch.int8, device=self.torch_device)
+                there, back_here = (on_device.data_ptr(), 8192), (back.data_ptr(), 8192)
+                runs = ([4096, 0], [0, 6144], [2048, 2048])
+                batch.copy_runs(there, (host.data_ptr(), 8192), *runs, stream.cuda_stream)
+                batch.copy_runs(back_here, there, runs[1], runs[0], runs[2], stream.cuda_stream)
+                stream.synchronize()
+        except RuntimeError as exc:
+            return f"cudaMemcpyBatchAsync failed its self-test: {exc}"
         expected = torch.zeros_like(host)
         expected[0:2048], expected[6144:8192] = host[0:2048], host[6144:8192]
         if not torch.equal(back, expected):
