@@ -13,7 +13,7 @@ NATIVE := setup.py tiering/copy/_bulkcopy.c
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) $(NATIVE) | sha1sum | cut -c1-12)
 
 .PHONY: demo test lint typecheck unit docs install lock clean cuda-coverage mutation-check \
-	gpu-check gpu-wheels
+	gpu-check gpu-check-sources gpu-wheels
 
 $(STAMP): pyproject.toml $(LOCK) $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ test: lint typecheck unit cuda-coverage
 # (scripts/gpu_check.sh). GPU_CHECK_DEVICE=simulated dry-runs it anywhere.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# Here: the sources fingerprint a gpu-check summary prints, to tie a device run to a commit.
+gpu-check-sources:
+	@bash scripts/gpu_check_sources.sh
 
 # Here, before a device run: the wheels that machine lacks (Python 3.12), into .whl/,
 # which the device run carries along.

@@ -93,7 +93,13 @@ fi
 say ""
 say "================ gpu-check summary ================"
 say "device:     $ENV_LINE"
-say "date:       $(date -u +%Y-%m-%d) ($(( $(date +%s) - START )) s), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# The device tool copies the working tree beside a .git that may be older: name the commit,
+# say whether the tree differs from it, and fingerprint the sources that ran (compare with
+# the same line printed here by `make gpu-check-sources`).
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+git status --porcelain 2>/dev/null | grep -q . && COMMIT="$COMMIT + changes"
+say "date:       $(date -u +%Y-%m-%d) ($(( $(date +%s) - START )) s), commit $COMMIT"
+say "sources:    $(bash scripts/gpu_check_sources.sh)"
 say "install:    $INSTALL"
 say "tests:      $(status "$TEST_RC"): ${TEST_LINE:-no summary line}"
 say "benchmark:  $(status "$BENCH_RC"); targets missed: $BELOW"

@@ -61,3 +61,31 @@ def test_the_gpu_benchmark_prints_its_rows_and_verdicts(
     assert sum("of pinned cudaMemcpyAsync" in v for v in data["verdicts"]) == 2
     assert sum("vs vLLM's worker" in v for v in data["verdicts"]) == 8
     assert all(v in printed for v in data["verdicts"])
+
+
+def test_the_sources_fingerprint_names_every_engine_file_and_is_stable(tmp_path: Path) -> None:
+    """The line a GPU run prints ties it to a commit: same files, same line; one byte, another."""
+    import shutil
+    import subprocess
+
+    copy = tmp_path / "repo"
+    for part in ("tiering", "tests", "benchmarks", "scripts"):
+        shutil.copytree(REPO / part, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+    script = copy / "scripts" / "gpu_check_sources.sh"
+
+    def fingerprint() -> str:
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    here = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check_sources.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    first = fingerprint()
+    assert len(first) == 12 and int(first, 16) >= 0
+    assert first == here  # the copy holds the same sources
+    engine = copy / "tiering" / "copy" / "cuda" / "engine.py"
+    engine.write_text(engine.read_text() + "\n")
+    assert fingerprint() != first
