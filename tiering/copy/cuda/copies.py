@@ -4,8 +4,8 @@ Both functions only enqueue work on the device's current stream (see
 :meth:`~tiering.copy.cuda.device.CudaDevice.on_stream`); neither waits.
 
 * :func:`dma_copy`: one copy per run of adjacent blocks on the GPU's copy
-  engines (no SM is used), all runs of a tensor in one ``cudaMemcpyAsync``
-  batch call where the runtime has it (:mod:`~tiering.copy.cuda.memcpy_batch`),
+  engines (no SM is used), all runs of a tensor in one ``cudaMemcpyBatchAsync``
+  call where the runtime has it (:mod:`~tiering.copy.cuda.memcpy_batch`),
   else one ``cudaMemcpyAsync`` per run. Best for large pages.
 * :func:`kernel_copy`: the pinned buffer mapped into the device address space
   (a device tensor over host memory); one gather and one scatter kernel per

@@ -131,7 +131,7 @@ class TorchCudaDevice(CudaDevice):
 
     def new_event(self) -> DeviceEvent:
         # blocking=True (cudaEventBlockingSync): a waiting thread sleeps in the driver
-        # instead of spinning a core, and wakes within microseconds of completion.
+        # instead of spinning a core; it wakes 60-100 us after completion on the H100 VM.
         event: DeviceEvent = torch.cuda.Event(  # type: ignore[no-untyped-call]
             enable_timing=True, blocking=True
         )
