@@ -121,6 +121,50 @@ def test_auto_on_rocm_runs_vllms_worker_and_names_its_layout(
     kwargs["mmap_region"].cleanup()
 
 
+def test_the_nvidia_default_copies_through_vllms_shared_region_on_the_simulated_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``auto`` runs on an NVIDIA GPU, end to end under vLLM: its shared CPU region,
+    its spec objects, our CUDA engine (on the simulated device: no GPU here)."""
+    import torch
+    from vllm.v1.kv_offload import base as vbase
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPUSpec
+
+    from tiering.copy.cuda import engine as cuda_engine
+    from tiering.copy.cuda.simulated import SimulatedCudaDevice
+
+    monkeypatch.setattr(platform_probe, "device_kind", lambda: "cuda")
+    sim = SimulatedCudaDevice(seed=3)
+    monkeypatch.setattr(cuda_engine, "default_device", lambda tensors: sim)
+    try:
+        spec = spec_for(OUR_SPEC)
+        assert spec.copy_engine == "cuda"
+        page = spec.kv_bytes_per_chunk  # one 64 KiB page per block, one block per chunk
+        gpu = sim.to_device(torch.randint(-128, 127, (16, page), dtype=torch.int8))
+        kv = vbase.CanonicalKVCaches(
+            tensors=[vbase.CanonicalKVCacheTensor(gpu, page)],
+            group_data_refs=[[vbase.CanonicalKVCacheRef(0, page)]],
+        )
+        worker = spec.get_worker(kv)
+        assert type(worker.copy_worker.engine).__name__ == "CudaCopyEngine"
+        assert worker.copy_worker.engine.pinned  # vLLM's /dev/shm region, registered
+        blocks = vbase.GPULoadStoreSpec([3, 5], group_sizes=[2], block_indices=[0])
+        assert worker.submit_store(1, blocks, VllmCPUSpec([0, 6]))
+        worker.wait({1})
+        (stored,) = worker.get_finished()
+        assert stored.job_id == 1 and stored.transfer_size == 2 * page
+        elsewhere = vbase.GPULoadStoreSpec([10, 11], group_sizes=[2], block_indices=[0])
+        assert worker.submit_load(2, VllmCPUSpec([0, 6]), elsewhere)
+        worker.wait({2})
+        assert [r.job_id for r in worker.get_finished()] == [2]
+        sim.drain()
+        assert torch.equal(gpu[10], gpu[3]) and torch.equal(gpu[11], gpu[5])
+        worker.shutdown()
+        assert sim.registered_bytes(0, 1 << 62) == 0  # unpinned at shutdown
+    finally:
+        sim.close()
+
+
 def test_copy_engine_vllm_selects_vllms_worker_on_an_nvidia_gpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
