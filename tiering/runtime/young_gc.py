@@ -22,9 +22,8 @@ scheduler side still allocates, for the results it unpickles), a
 itself: it lowers the threshold below the count for one allocation, so
 CPython's own automatic collection runs, on that thread, choosing the
 generation as it always would (the oldest generation's rule reads a ratio
-Python cannot see). An
-embedder who disabled the collector (``gc.disable()``) or set threshold 0 gets
-nothing of this.
+Python cannot see). An embedder who disabled the collector (``gc.disable()``)
+or set threshold 0 gets nothing of this.
 """
 
 from __future__ import annotations

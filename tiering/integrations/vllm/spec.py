@@ -145,23 +145,37 @@ class CopyEngineOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLL
                 self._region.cleanup()
 
 
-#: Why ``copy_engine: "auto"`` chose what it chose, per platform (logged at start-up).
-_AUTO_REASONS = {
-    "cuda": "our CUDA engine: it passed the GPU check on real hardware (docs/copy-engine.md); "
-    "copy_engine 'vllm' selects vLLM's CPUOffloadingWorker",
-    "rocm": "vLLM's CPUOffloadingWorker: our CUDA engine has never run on ROCm; "
-    "copy_engine 'cuda' selects it",
-    "xpu": "vLLM's CPUOffloadingWorker: our CUDA engine does not run on XPU",
-    "cpu": "our host engine: the KV cache is in CPU memory, where vLLM's worker does not run",
+#: What ``copy_engine: "auto"`` runs on each kind of platform, and why (logged at start-up).
+_AUTO = {
+    "cuda": (
+        "cuda",
+        "our CUDA engine: it passed the GPU check on real hardware (docs/copy-engine.md); "
+        "copy_engine 'vllm' selects vLLM's CPUOffloadingWorker",
+    ),
+    "rocm": (
+        "vllm",
+        "vLLM's CPUOffloadingWorker: our CUDA engine has never run on ROCm; "
+        "copy_engine 'cuda' selects it",
+    ),
+    "xpu": ("vllm", "vLLM's CPUOffloadingWorker: our CUDA engine does not run on XPU"),
+    "cpu": (
+        "host",
+        "our host engine: the KV cache is in CPU memory, where vLLM's worker does not run",
+    ),
 }
+#: ``"auto"`` with ``canonical_layout`` on a GPU.
+_AUTO_CANONICAL = ("vllm", "vLLM's CPUOffloadingWorker: canonical_layout rows are only its own")
 #: What ``copy_engine`` may name.
 COPY_ENGINES = ("auto", "vllm", "cuda", "host")
 #: The row layout our copy engines (host and CUDA) write: ``tiering.copy.layout.KVLayout``.
 OUR_ROW_LAYOUT = "kv-tiering-worker/1"
 
 
-#: What ``copy_engine: "auto"`` runs on each kind of platform (see the module docstring).
-AUTO_ENGINE = {"cuda": "cuda", "rocm": "vllm", "xpu": "vllm", "cpu": "host"}
+def auto_copy_engine(platform: DeviceKind, canonical_layout: bool) -> tuple[str, str]:
+    """What ``copy_engine: "auto"`` runs on this platform, and why (see the module docstring)."""
+    if canonical_layout and platform != "cpu":
+        return _AUTO_CANONICAL
+    return _AUTO[platform]
 
 
 def resolve_copy_engine(
@@ -179,9 +193,7 @@ def resolve_copy_engine(
             f"copy_engine must be one of {', '.join(map(repr, COPY_ENGINES))}, got {requested!r}"
         )
     if requested == "auto":
-        if canonical_layout and platform != "cpu":
-            return "vllm"
-        return AUTO_ENGINE[platform]
+        return auto_copy_engine(platform, canonical_layout)[0]
     if requested == "cuda" and platform not in ("cuda", "rocm"):
         raise ValueError(
             f"copy_engine 'cuda' needs a CUDA or ROCm GPU, and this vLLM platform is {platform!r}; "
@@ -221,22 +233,17 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
         self.copy_engine = resolve_copy_engine(
             requested, platform=platform, canonical_layout=canonical
         )
-        if self.copy_engine != "vllm" and self.config.canonical_layout:
+        if self.copy_engine != "vllm" and canonical:
             raise ValueError(
                 f"copy_engine {self.copy_engine!r} does not write canonical_layout rows; remove "
                 "canonical_layout from kv_connector_extra_config, or use copy_engine 'vllm'"
             )
         #: The row layout the worker writes (part of persistent tiers' layout fingerprint).
         self.row_layout = (
-            vllm_row_layout(bool(self.config.canonical_layout))
-            if self.copy_engine == "vllm"
-            else OUR_ROW_LAYOUT
+            vllm_row_layout(canonical) if self.copy_engine == "vllm" else OUR_ROW_LAYOUT
         )
         if requested == "auto":
-            reason = _AUTO_REASONS[platform]
-            if canonical and platform != "cpu":
-                reason = "vLLM's CPUOffloadingWorker: canonical_layout rows are only its own"
-            logger.info("copy_engine 'auto' chose %s", reason)
+            logger.info("copy_engine 'auto' chose %s", auto_copy_engine(platform, canonical)[1])
 
     def get_manager(self) -> Any:
         """vLLM's manager, after checking that its shared CPU tier fits this host.
