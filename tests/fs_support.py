@@ -17,6 +17,7 @@ import xxhash
 from tiering.core.keys import OffloadKey, make_offload_key
 from tiering.tier import TierContext
 from tiers.fs import FileSystemTier
+from tiers.fs.index import SLOT
 from tiers.fs.io import IoBackend, IoOp, OpKind
 from tiers.fs.io.uring import uring_unavailable_reason
 
@@ -87,8 +88,8 @@ def slot_location(tier: FileSystemTier, k: OffloadKey) -> tuple[Path, int]:
     entry = state.index.get(k)
     assert entry is not None, f"{k.hex()} is not in the tier"
     geometry = state.geometry
-    slab = geometry.slab_of(entry.slot)
-    return tier.config.root_dir / f"slab-{slab:06d}.bin", geometry.offset_of(entry.slot)
+    slab = geometry.slab_of(entry[SLOT])
+    return tier.config.root_dir / f"slab-{slab:06d}.bin", geometry.offset_of(entry[SLOT])
 
 
 def overwrite(path: Path, offset: int, data: bytes) -> None:

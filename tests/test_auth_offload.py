@@ -28,6 +28,7 @@ from tiering.tier import auth
 from tiering.tier.auth import BlockAuthenticator, OffLoopWork
 from tiers.fs import reads as fs_reads
 from tiers.fs import writes as fs_writes
+from tiers.fs.index import TAG
 from tiers.redis import layout as redis_layout
 from tiers.redis import loads as redis_loads
 from tiers.redis.errors import RejectedValue
@@ -207,7 +208,7 @@ async def test_an_item_that_raises_is_kept_and_the_others_still_run() -> None:
 
 def _stored_tags(tier: Any, keys: list[Any]) -> list[bytes | None]:
     index = tier._state().index
-    return [index.get(k).tag for k in keys]
+    return [index.get(k)[TAG] for k in keys]
 
 
 @pytest.mark.parametrize("mac", MACS)

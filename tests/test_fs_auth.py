@@ -26,6 +26,7 @@ from tiering.runtime import AsyncTierManager
 from tiering.tier.auth import BlockAuthenticator
 from tiers.fs import FileSystemTier
 from tiers.fs.files import RootDir
+from tiers.fs.index import CHECKSUM, SLOT, TAG
 from tiers.fs.journal_file import write_snapshot
 from tiers.fs.layout import read_header
 from tiers.fs.records import stored_tag, tag_mac
@@ -88,7 +89,7 @@ async def test_blocks_round_trip_and_survive_a_restart_with_the_key(
     keys = [key(i) for i in range(6)]
     async with opened(tmp_path, **auth) as tier:
         await write_keys(tier, keys)
-        assert all(tier._state().index.get(k).tag for k in keys)  # type: ignore[union-attr]
+        assert all(tier._state().index.get(k)[TAG] for k in keys)  # type: ignore[index]
         assert await read_key(tier, keys[0]) == block_data(keys[0])
     async with opened(tmp_path, **auth) as tier:
         for k in keys:
@@ -103,12 +104,12 @@ async def test_forged_blocks_are_misses_counted_logged_once_and_deleted(
     async with opened(tmp_path, **auth) as tier:
         await write_keys(tier, honest + forged)
         index = tier._state().index
-        keep = {k: (e.slot, e.checksum, e.tag) for k in honest if (e := index.get(k))}
+        keep = {k: e for k in honest if (e := index.get(k))}
         victims = {}
         for k in forged:
             path, offset = slot_location(tier, k)
             payload = os.urandom(BLOCK)
-            victims[k] = (index.get(k).slot, payload)  # type: ignore[union-attr]
+            victims[k] = (index.get(k)[SLOT], payload)  # type: ignore[index]
             overwrite(path, offset, payload)
     _forge(tmp_path, victims, keep)
     async with opened(tmp_path, **auth) as tier:
@@ -142,7 +143,7 @@ async def test_a_block_moved_to_another_key_fails_its_tag(
     try:
         header = read_header(directory)
         assert header is not None
-        write_snapshot(directory, header, [(bytes(b), ea.slot, ea.checksum, ea.tag)])
+        write_snapshot(directory, header, [(bytes(b), *ea)])
     finally:
         directory.close()
     async with opened(tmp_path, **auth) as tier:
@@ -242,7 +243,7 @@ async def test_blocks_tagged_with_hmac_by_an_earlier_release_still_read(
             assert await read_key(tier, k) == block_data(k)
         await write_keys(tier, new)
         index = tier._state().index
-        macs = {k: tag_mac(index.get(k).tag)[0] for k in old + new}  # type: ignore[union-attr, arg-type]
+        macs = {k: tag_mac(index.get(k)[TAG])[0] for k in old + new}  # type: ignore[index, arg-type]
         assert macs == {**dict.fromkeys(old, "hmac-sha256"), **dict.fromkeys(new, "ghash-aes")}
     async with opened(tmp_path, **auth) as tier:
         for k in old + new:
@@ -265,7 +266,7 @@ async def test_blocks_tagged_with_blake3_by_the_previous_release_still_read(
                 assert await read_key(tier, k) == block_data(k)
             await write_keys(tier, new)
             index = tier._state().index
-            macs = {k: tag_mac(index.get(k).tag)[0] for k in old + new}  # type: ignore[union-attr, arg-type]
+            macs = {k: tag_mac(index.get(k)[TAG])[0] for k in old + new}  # type: ignore[index, arg-type]
             assert macs == {**dict.fromkeys(old, "blake3"), **dict.fromkeys(new, "ghash-aes")}
             assert tier.stats.auth_failures == 0
 
@@ -280,8 +281,9 @@ async def test_a_tag_checked_with_the_other_mac_fails(tmp_path: Path, auth: dict
         relabelled = {}
         for k in keys:
             entry = index.get(k)
-            assert entry is not None and entry.tag is not None
-            relabelled[k] = (entry.slot, entry.checksum, stored_tag("hmac-sha256", entry.tag[1:]))
+            assert entry is not None and entry[TAG] is not None
+            tag = stored_tag("hmac-sha256", entry[TAG][1:])
+            relabelled[k] = (entry[SLOT], entry[CHECKSUM], tag)
     directory = RootDir.open(tmp_path)
     try:
         header = read_header(directory)

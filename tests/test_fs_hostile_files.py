@@ -22,6 +22,7 @@ from tiering.core.keys import OffloadKey
 from tiers.fs import FileSystemTier, FsTierStats
 from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.files import UnsafeFileError
+from tiers.fs.index import SLOT
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME, LOCK_NAME
 
 from .fs_support import BLOCK, block_data, key, make_tier, opened, read_key, write_keys
@@ -354,7 +355,7 @@ async def test_a_slab_deleted_while_closed_costs_only_its_blocks(tmp_path: Path,
     keys = [key(i) for i in range(8)]
     async with opened(root, slab_bytes=4 * BLOCK, capacity_bytes=8 * BLOCK) as tier:
         await write_keys(tier, keys)
-        in_slab = {k for k in keys if tier._state().index.get(k).slot // 4 == int(gone[5:11])}  # type: ignore[union-attr]
+        in_slab = {k for k in keys if tier._state().index.get(k)[SLOT] // 4 == int(gone[5:11])}  # type: ignore[index]
     (root / gone).unlink()
     async with opened(root, slab_bytes=4 * BLOCK, capacity_bytes=8 * BLOCK) as tier:
         present = set(await tier.list_keys())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import cast
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tiering.core.keys import OffloadKey
 from tiering.policies import EvictionPolicy, make_policy
-from tiers.fs.index import Entry, SlotIndex
+from tiers.fs.index import SLOT, Entry, SlotIndex
 
 KEYS = [OffloadKey(bytes([i]) * 4) for i in range(24)]
 
@@ -48,11 +49,11 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.next_seq() == evict_seq
         assert res.slots == sorted(res.slots)
         assert len(res.slots) <= len(keys)
-        pinned = {e.slot for e in self.pins}
+        pinned = {e[SLOT] for e in self.pins}
         for key, entry in res.evicted:
-            assert entry.slot not in pinned, "evicted a block being read"
+            assert entry[SLOT] not in pinned, "evicted a block being read"
             assert self.visible.pop(key) == entry
-            self.freed_at[entry.slot] = evict_seq
+            self.freed_at[entry[SLOT]] = evict_seq
         for slot in res.slots:
             # A reused slot waits for the record that freed it.
             assert max(res.ready_seq, self.durable) >= self.freed_at.get(slot, 0)
@@ -70,8 +71,8 @@ class IndexMachine(RuleBasedStateMachine):
         for slot, key in zip(slots, keys, strict=False):
             old = self.index.commit(key, slot, checksum=slot * 1000 + seq, seq=seq)
             if old is not None:
-                self.freed_at[old.slot] = seq
-            self.visible[key] = Entry(slot, slot * 1000 + seq)
+                self.freed_at[old[SLOT]] = seq
+            self.visible[key] = (slot, slot * 1000 + seq, None)
         self.index.release(slots[len(keys) :])
 
     @rule(key=st.sampled_from(KEYS))
@@ -85,7 +86,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
         entry = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.index.unpin(entry.slot)
+        self.index.unpin(entry[SLOT])
 
     @rule(key=st.sampled_from(KEYS))
     def remove(self, key: OffloadKey) -> None:
@@ -93,7 +94,7 @@ class IndexMachine(RuleBasedStateMachine):
         entry = self.index.remove(key, seq)
         assert entry == self.visible.pop(key, None)
         if entry is not None:
-            self.freed_at[entry.slot] = seq
+            self.freed_at[entry[SLOT]] = seq
 
     @rule()
     def journal_catches_up(self) -> None:
@@ -108,7 +109,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.check_invariants()
         assert {k: self.index.get(k) for k in self.visible} == self.visible
         assert len(self.index) == len(self.visible) <= self.capacity
-        slots = [e.slot for e in self.visible.values()]
+        slots = [e[SLOT] for e in self.visible.values()]
         reserved = [s for batch, _ in self.pending for s in batch]
         assert len(set(slots + reserved)) == len(slots) + len(reserved), "slot given out twice"
         assert all(0 <= s < self.capacity for s in slots + reserved)
@@ -157,3 +158,19 @@ def test_limit_capacity_cuts_only_never_written_slots() -> None:
     again = index.reserve(4, 1, 2)
     assert again.slots == [0, 3, 4] or len(again.evicted) == 2
     assert all(s < 5 for s in again.slots)
+
+
+def test_entries_leave_the_garbage_collectors_lists() -> None:
+    """A tier of millions of blocks must add nothing to a full collection (which holds the
+    GIL): every entry, restored, committed one by one or in a batch, with or without a tag,
+    is a plain tuple the collector stops tracking."""
+    index = SlotIndex.restore(16, policy("lru", 16), {KEYS[0]: (0, 1 << 100)})
+    res = index.reserve(6, durable_seq=0, evict_seq=1)
+    index.commit(KEYS[1], res.slots[0], 7, seq=1)
+    index.commit(KEYS[2], res.slots[1], 8, seq=1, tag=b"\x01" + bytes(32))
+    index.commit_many([(KEYS[i], res.slots[i - 1], i, None) for i in range(3, 7)], seq=2)
+    gc.collect()
+    entries = [index.get(k) for k in KEYS[:7]]
+    assert all(type(entry) is tuple for entry in entries)
+    assert not any(gc.is_tracked(entry) for entry in entries)
+    assert index.get(KEYS[2]) == (res.slots[1], 8, b"\x01" + bytes(32))

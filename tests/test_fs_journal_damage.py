@@ -18,6 +18,7 @@ import pytest
 
 from tiering.core.errors import ConfigError, CorruptBlock
 from tiering.core.keys import OffloadKey
+from tiers.fs.index import SLOT
 from tiers.fs.journal_file import SNAPSHOT_RECORD_ENTRIES
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 from tiers.fs.records import HEADER_BYTES, iter_records
@@ -243,11 +244,11 @@ async def test_stale_entries_left_by_damage_are_verified_and_dropped_after_open(
     async with opened(root, **CONFIG) as tier:
         await write_keys(tier, [key(0)])
         await write_keys(tier, [stale])
-        slot = tier._state().index.get(stale).slot  # type: ignore[union-attr]
+        slot = tier._state().index.get(stale)[SLOT]  # type: ignore[index]
         before = (root / JOURNAL_NAME).stat().st_size
         await tier.delete(stale)
         await write_keys(tier, [reuser])  # reuses the freed slot
-        assert tier._state().index.get(reuser).slot == slot  # type: ignore[union-attr]
+        assert tier._state().index.get(reuser)[SLOT] == slot  # type: ignore[index]
         after = (root / JOURNAL_NAME).stat().st_size
         await write_keys(tier, [key(3)])
     journal = bytearray((root / JOURNAL_NAME).read_bytes())

@@ -28,6 +28,7 @@ from tiering.tier import TierContext
 from tiers.fs import RootInUseError, TierFullError
 from tiers.fs import reads as fs_reads
 from tiers.fs import writes as fs_writes
+from tiers.fs.index import SLOT
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
 
 
@@ -173,7 +174,7 @@ async def test_a_block_being_read_is_not_evicted_under_the_reader(tmp_path: Path
             assert await tier.contains(key(0))
             assert await read_key(tier, key(0)) == block_data(key(0))
         finally:
-            index.unpin(entry.slot)
+            index.unpin(entry[SLOT])
         await read_key(tier, key(2))  # a read's end wakes the waiting batch
         await waiting
         assert await tier.contains_many([key(0), key(3), key(4)]) == [False, True, True]

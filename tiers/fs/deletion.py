@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from tiering.core.keys import OffloadKey
 from tiers.fs.files import RootDir, is_deleted
-from tiers.fs.index import SlotIndex
+from tiers.fs.index import SLOT, SlotIndex
 from tiers.fs.journal import JournalWriter
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME, Header, slab_name, write_header
 from tiers.fs.records import encode_del
@@ -166,7 +166,7 @@ class DeletionWatch:
 
     def _forget_slabs(self, slabs: set[int]) -> None:
         per_slab = self._slabs.geometry.slots_per_slab
-        keys = [key for key, entry in self._index.items() if entry.slot // per_slab in slabs]
+        keys = [key for key, entry in self._index.items() if entry[SLOT] // per_slab in slabs]
         self._forget(keys)
 
     def _forget(self, keys: list[OffloadKey]) -> None:

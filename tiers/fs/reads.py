@@ -23,7 +23,7 @@ from tiering.core.errors import BlockNotFound, CorruptBlock
 from tiering.core.keys import OffloadKey
 from tiering.tier import auth as _auth
 from tiering.tier.auth import BlockAuthenticator, OffLoopWork, slices
-from tiers.fs.index import Entry
+from tiers.fs.index import CHECKSUM, SLOT, TAG, Entry
 from tiers.fs.io import IoOp, OpKind
 from tiers.fs.planning import block_views, plan_ops
 from tiers.fs.records import encode_del, tag_mac
@@ -52,7 +52,7 @@ async def read_blocks(
         if entry is None:
             errors[key] = BlockNotFound(key)
         else:
-            blocks.append(Block(key, view, entry.slot, entry))
+            blocks.append(Block(key, view, entry[SLOT], entry))
     if not blocks:
         return errors
     checks: OffLoopWork | None = None
@@ -134,7 +134,7 @@ def _check_block(
     entry = block.entry
     assert entry is not None
     error: CorruptBlock | None = None
-    if checksum(block.view) != entry.checksum:
+    if checksum(block.view) != entry[CHECKSUM]:
         error = CorruptBlock(block.key, "checksum mismatch")
     elif auth is not None:
         error = _authentication_error(auth, fingerprint, block.key, block.view, entry)
@@ -188,9 +188,10 @@ _NOT_VERIFIED_YET = CorruptBlock(b"", "not verified (its check did not finish)")
 def _authentication_error(
     auth: BlockAuthenticator, fingerprint: bytes, key: OffloadKey, data: memoryview, entry: Entry
 ) -> CorruptBlock | None:
-    if entry.tag is None:
+    stored = entry[TAG]
+    if stored is None:
         return _AuthenticationFailed(key, "stored without an authentication tag")
-    mac, tag = tag_mac(entry.tag)
+    mac, tag = tag_mac(stored)
     if not auth.verify(key, fingerprint, data, tag, mac):
         return _AuthenticationFailed(key, f"authentication tag mismatch ({mac})")
     return None

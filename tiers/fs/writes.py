@@ -27,6 +27,7 @@ from tiering.tier.auth import BlockAuthenticator, OffLoopWork, slices
 from tiers.fs.deletion import FilesDeletedError
 from tiers.fs.errors import TierFullError
 from tiers.fs.files import UnsafeFileError
+from tiers.fs.index import SLOT
 from tiers.fs.io import OpKind
 from tiers.fs.journal import JournalWriter
 from tiers.fs.planning import block_views, plan_ops
@@ -174,7 +175,7 @@ async def _refuse_ack_into_deleted_files(
     gone = []
     for block in blocks:
         entry = state.index.get(block.key)
-        if entry is not None and entry.slot == block.slot:
+        if entry is not None and entry[SLOT] == block.slot:
             state.index.remove(block.key, seq)
             gone.append(block.key)
         block.error = FilesDeletedError(f"block {block.key.hex()} not stored: {why}")
