@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tiering.tier.auth import MAC_NAMES
+from tiers.fs import records
 from tiers.fs.layout import ALIGNMENT, Geometry, Header, parse_slab_name, slab_name
 from tiers.fs.records import (
     HEADER_BYTES,
@@ -121,6 +122,53 @@ def test_garbage_between_records_is_skipped(batches: list[Batch], data: st.DataO
     result = replay(blob, SEED)
     assert result.records == len(records)
     assert result.entries == model(batches)
+
+
+@given(
+    st.integers(1, 40),
+    st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**128 - 1)), max_size=12),
+    st.sampled_from([None, *MAC_NAMES]),
+    st.data(),
+)
+def test_a_record_of_one_key_length_decodes_as_entry_by_entry(
+    key_len: int, rows: list[tuple[int, int]], mac: str | None, data: st.DataObject
+) -> None:
+    """Records whose keys share a length (what the tier writes) take the one-call decoder;
+    it must read exactly what the entry-by-entry decoder reads."""
+    one_length = st.binary(min_size=key_len, max_size=key_len)
+    keys_ = [data.draw(one_length) for _ in rows]
+    if mac is None:
+        blob = encode_put([(k, s, c) for k, (s, c) in zip(keys_, rows, strict=True)], SEED)
+        kind, entry = records.PUT_TYPE, records._PUT_ENTRY
+    else:
+        tags = [stored_tag(mac, data.draw(st.binary(min_size=16, max_size=16))) for _ in rows]
+        entries = [(k, s, c, t) for k, (s, c), t in zip(keys_, rows, tags, strict=True)]
+        blob = encode_put_tagged(entries, SEED)
+        kind, entry = records.MAC_RECORD_TYPES[mac], records._PUT_MAC_ENTRY
+    body = memoryview(blob)[records._FRAME.size : -8]
+    decoded = records._decode_body(body)
+    tag_of = None if mac is None else bytes((kind,))
+    assert decoded == records._decode_put(body, len(rows), entry, tag_of)
+    assert decoded is not None and [(k, s, c) for k, s, c, _ in decoded] == [
+        (k, s, c) for k, (s, c) in zip(keys_, rows, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("lengths", [(35, 34, 36), (36, 36, 35, 37), (2, 1)])
+def test_keys_of_several_lengths_summing_like_one_length_still_decode(
+    lengths: tuple[int, ...],
+) -> None:
+    """The body's size is that of ``count`` keys of the first key's length, but the keys differ:
+    the first entry of another length is seen where it starts, and the record is read entry by
+    entry."""
+    entries = [(bytes([65 + i]) * n, i, 2**100 + i) for i, n in enumerate(lengths)]
+    result = replay(encode_put(entries, SEED), SEED)
+    assert result.entries == {k: (s, c, None) for k, s, c in entries}
+
+
+def test_an_empty_put_record_is_a_valid_record() -> None:
+    blob = encode_put([], SEED) + encode_put([(b"k", 1, 2)], SEED)
+    assert [len(found) for found, _ in iter_records(blob, SEED)] == [0, 1]
 
 
 @pytest.mark.parametrize("mac", MAC_NAMES)

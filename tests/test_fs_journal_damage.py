@@ -60,7 +60,7 @@ def _records(journal: bytes) -> list[_Record]:
     seed = _seed(journal)
     out, start = [], HEADER_BYTES
     for entries, end in iter_records(journal[HEADER_BYTES:], seed):
-        out.append(_Record(start, HEADER_BYTES + end, {e.key for e in entries}))
+        out.append(_Record(start, HEADER_BYTES + end, {e[0] for e in entries}))
         start = HEADER_BYTES + end
     return out
 

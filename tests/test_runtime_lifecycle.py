@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -26,6 +27,7 @@ from tiering.core.errors import BlockNotFound, TierClosedError
 from tiering.core.jobs import JobResult
 from tiering.core.keys import NO_CONTEXT, OffloadKey
 from tiering.runtime import AsyncTierManager
+from tiering.runtime import service as service_module
 from tiering.testing.faults import FaultPlan, FaultyTier
 from tiering.tier import AsyncTier, TierContext
 from tiers.memory import MemoryTier
@@ -297,6 +299,31 @@ def test_a_hung_open_times_out() -> None:
         AsyncTierManager(tier, primary().data, "hung", open_timeout_s=0.2, shutdown_timeout_s=1)
     assert tier.closed == 1
     assert set(threading.enumerate()) == threads_before
+
+
+class SlowOpen(MemoryTier):
+    async def open(self, context: TierContext) -> None:
+        await super().open(context)
+        await asyncio.sleep(0.2)
+
+
+def test_an_open_past_half_its_deadline_is_one_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier's open grows with its blocks: one that took most of ``open_timeout_s`` says so
+    while it still fits. (The share is lowered here so that a generous deadline keeps the
+    test from racing it.)"""
+    with AsyncTierManager(SlowOpen(), primary().data, "fast-enough"):
+        pass
+    assert not [r for r in caplog.records if "to open" in r.getMessage()]
+    monkeypatch.setattr(service_module, "SLOW_OPEN_SHARE", 0.01)
+    with AsyncTierManager(SlowOpen(), primary().data, "growing", open_timeout_s=10.0):
+        pass
+    (warning,) = [r for r in caplog.records if "to open" in r.getMessage()]
+    assert warning.levelname == "WARNING"
+    message = r"tier growing took \d+\.\d s to open, \d+% of open_timeout_s \(10 s\)"
+    assert re.search(message, warning.getMessage())
+    assert "raise open_timeout_s" in warning.getMessage()
 
 
 class Recovered(MemoryTier):

@@ -123,7 +123,9 @@ class _Child:
             self.service, self.jobs, self.results = service, jobs, results
             context = TierContext(spec.block_bytes, spec.layout_fingerprint, spec.name)
             try:
-                await asyncio.wait_for(service.open(context), spec.open_timeout_s)
+                await asyncio.wait_for(
+                    service.open(context, timeout_s=spec.open_timeout_s), spec.open_timeout_s
+                )
             except BaseException:
                 await service.close_tier_only(spec.open_timeout_s)
                 raise

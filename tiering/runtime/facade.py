@@ -153,7 +153,8 @@ class AsyncTierManager(SchedulerSide):
         try:
             if self.cpus is not None:  # before the tier opens: the threads it starts inherit it
                 self._thread.call(_pin_loop_thread, self.cpus, timeout=float(open_timeout_s))
-            self._thread.call(self._service.open, context, timeout=float(open_timeout_s))
+            deadline_s = float(open_timeout_s)
+            self._thread.call(self._service.open, context, deadline_s, timeout=deadline_s)
         except BaseException:
             self._closed = True
             try:

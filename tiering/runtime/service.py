@@ -49,17 +49,27 @@ from tiering.runtime.service_state import _Job as _Job  # re-exported: the facad
 from tiering.runtime.service_state import logger
 from tiering.tier import TierContext
 
+#: An open that takes more than this share of its deadline is one WARNING.
+SLOW_OPEN_SHARE = 0.5
+
 
 class TierService(_JobRunner):
     """Runs one :class:`AsyncTier` on the current event loop for a facade (loop thread only)."""
 
     # -- life cycle --------------------------------------------------------------------------
 
-    async def open(self, context: TierContext) -> None:
+    async def open(self, context: TierContext, timeout_s: float | None = None) -> None:
         """Open the tier and seed the presence view from ``list_keys``.
+
+        ``timeout_s`` is the caller's deadline for this call (``open_timeout_s``): an open
+        that took more than half of it is one WARNING, while it still fits. A tier's open
+        grows with the blocks it holds (an fs tier replays its journal: about 3.4 us per
+        block, ``benchmarks/fs_reopen.py``), so a growing tier would otherwise fail to
+        start one day without notice.
 
         Cancellation (open deadline): propagates; the facade then closes the tier.
         """
+        started = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._thread_id = threading.get_ident()
         self._resolve_wakeup = asyncio.Event()
@@ -72,6 +82,16 @@ class TierService(_JobRunner):
         self._resolver = self._loop.create_task(
             self._resolve_forever(), name=f"{self.name}-resolve"
         )
+        took = time.monotonic() - started
+        if timeout_s is not None and took > SLOW_OPEN_SHARE * timeout_s:
+            logger.warning(
+                "tier %s took %.1f s to open, %.0f%% of open_timeout_s (%g s): a tier holding "
+                "more blocks may not open in time; raise open_timeout_s",
+                self.name,
+                took,
+                100 * took / timeout_s,
+                timeout_s,
+            )
 
     async def close_tier_only(self, timeout_s: float) -> None:
         """Close the tier after a failed open (bounded). Cancellation: abandons the close."""

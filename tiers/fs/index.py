@@ -81,19 +81,28 @@ class SlotIndex:
         Raises ValueError for a slot outside the capacity or claimed twice.
         """
         index = cls(capacity_slots, policy)
-        for raw_key, value in entries.items():
-            slot, checksum = value[0], value[1]
-            tag = value[2] if len(value) > 2 else None
-            key = OffloadKey(raw_key)
-            if not 0 <= slot < capacity_slots:
-                raise ValueError(f"slot {slot} outside capacity {capacity_slots}")
-            if slot in index._owner:
-                raise ValueError(f"slot {slot} claimed twice")
-            index._entries[key] = (slot, checksum, tag)
-            index._owner[slot] = key
-            policy.insert(key)
-        index._next_fresh = max(index._owner, default=-1) + 1
-        index._free.extend((s, 0) for s in range(index._next_fresh) if s not in index._owner)
+        # Built whole, checked after (a tier restores millions of entries at start): the
+        # index is thrown away if a check fails.
+        table: dict[OffloadKey, Entry] = {
+            OffloadKey(key): value if len(value) == 3 else (value[0], value[1], None)
+            for key, value in entries.items()
+        }
+        owner = {entry[SLOT]: key for key, entry in table.items()}
+        if len(owner) != len(table):
+            seen: set[int] = set()
+            for slot in (entry[SLOT] for entry in table.values()):
+                if slot in seen:
+                    raise ValueError(f"slot {slot} claimed twice")
+                seen.add(slot)
+        if owner and not 0 <= min(owner) <= max(owner) < capacity_slots:
+            slot = next(s for s in owner if not 0 <= s < capacity_slots)
+            raise ValueError(f"slot {slot} outside capacity {capacity_slots}")
+        insert = policy.insert
+        for key in table:
+            insert(key)
+        index._entries, index._owner = table, owner
+        index._next_fresh = max(owner, default=-1) + 1
+        index._free.extend((s, 0) for s in range(index._next_fresh) if s not in owner)
         return index
 
     # -- queries ------------------------------------------------------------------------

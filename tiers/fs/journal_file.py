@@ -89,6 +89,11 @@ def encode_snapshot(header: Header, entries: list[SnapshotEntry]) -> bytes:
     seed = header.journal_seed
     parts = [encode_header(bytes.fromhex(header.cache_id))]
     chunk = SNAPSHOT_RECORD_ENTRIES
+    if all(entry[3] is None for entry in entries):  # no MAC key: every run is a plain chunk
+        for start in range(0, len(entries), chunk):
+            run = entries[start : start + chunk]
+            parts.append(encode_put([(k, s, c) for k, s, c, _ in run], seed))
+        return b"".join(parts)
     start = 0
     while start < len(entries):
         # Runs of untagged entries, or of tags by one MAC (a key may have been added or

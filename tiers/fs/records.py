@@ -31,6 +31,7 @@ the 64-bit checksum). A torn tail from a crash is dropped the same way.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -157,17 +158,9 @@ def _frame(body: bytes, seed: int) -> bytes:
     return prefix + body + _U64.pack(xxhash.xxh3_64_intdigest(prefix + body, seed))
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One decoded record entry: a PUT (slot and checksum set, tag with a MAC key) or a DEL.
-
-    A DEL has ``slot`` None.
-    """
-
-    key: bytes
-    slot: int | None
-    checksum: int
-    tag: bytes | None = None
+#: One decoded record entry, ``(key, slot, checksum, tag)``: a PUT (tag with a MAC key) or
+#: a DEL (slot None, checksum 0). A plain tuple: replay decodes millions at a tier's start.
+Record = tuple[bytes, int | None, int, bytes | None]
 
 
 def _record_at(view: memoryview, pos: int, seed: int) -> tuple[list[Record], int] | None:
@@ -220,34 +213,76 @@ def iter_records(
 
 def _decode_body(body: memoryview) -> list[Record] | None:
     kind, count = _KIND_COUNT.unpack_from(body, 0)
+    if kind == DEL_TYPE:
+        return _decode_del(body, count)
+    if kind == PUT_TYPE:
+        entry, tag_of = _PUT_ENTRY, None
+    elif kind in MAC_OF_RECORD_TYPE:
+        entry, tag_of = _PUT_MAC_ENTRY, bytes((kind,))
+    else:
+        return None
+    start = _KIND_COUNT.size
+    if not count or len(body) < start + entry.size:
+        return _decode_put(body, count, entry, tag_of)
+    (key_len,) = _KEY_LEN.unpack_from(body, start + entry.size - _KEY_LEN.size)
+    # The tier writes every key of a record at one length: then the whole body is one array
+    # of fixed-size entries, decoded in one call (about 3x faster than entry by entry). An
+    # entry whose own length differs shows it where it starts: then entry by entry.
+    if not key_len or len(body) != start + count * (entry.size + key_len):
+        return _decode_put(body, count, entry, tag_of)
+    rows = _fixed_put_entry(entry.format, key_len).iter_unpack(body[start:])
+    out: list[Record]
+    if tag_of is None:
+        out = [(key, slot, lo | hi << 64, None) for slot, lo, hi, n, key in rows if n == key_len]
+    else:
+        out = [
+            (key, slot, lo | hi << 64, tag_of + tag)
+            for slot, lo, hi, tag, n, key in rows
+            if n == key_len
+        ]
+    return out if len(out) == count else _decode_put(body, count, entry, tag_of)
+
+
+@functools.lru_cache(maxsize=16)
+def _fixed_put_entry(entry_format: str, key_len: int) -> struct.Struct:
+    """A PUT entry with its key, for records whose keys are all ``key_len`` bytes."""
+    return struct.Struct(f"{entry_format}{key_len}s")
+
+
+def _decode_put(
+    body: memoryview, count: int, entry: struct.Struct, tag_of: bytes | None
+) -> list[Record] | None:
+    """A PUT body entry by entry (keys of several lengths, or a malformed body)."""
     pos = _KIND_COUNT.size
     out: list[Record] = []
     try:
-        if kind in MAC_OF_RECORD_TYPE:
-            mac_id = bytes((kind,))
-            for _ in range(count):
-                slot, low, high, tag, key_len = _PUT_MAC_ENTRY.unpack_from(body, pos)
-                pos += _PUT_MAC_ENTRY.size
-                key = bytes(body[pos : pos + key_len])
-                out.append(Record(key, slot, low | high << 64, mac_id + tag))
-                pos += key_len
-        elif kind == PUT_TYPE:
-            for _ in range(count):
-                slot, low, high, key_len = _PUT_ENTRY.unpack_from(body, pos)
-                pos += _PUT_ENTRY.size
-                out.append(Record(bytes(body[pos : pos + key_len]), slot, low | high << 64))
-                pos += key_len
-        elif kind == DEL_TYPE:
-            for _ in range(count):
-                (key_len,) = _KEY_LEN.unpack_from(body, pos)
-                pos += _KEY_LEN.size
-                out.append(Record(bytes(body[pos : pos + key_len]), None, 0))
-                pos += key_len
-        else:
-            return None
+        for _ in range(count):
+            fields = entry.unpack_from(body, pos)
+            pos += entry.size
+            key_len = fields[-1]
+            key = bytes(body[pos : pos + key_len])
+            tag = None if tag_of is None else tag_of + fields[3]
+            out.append((key, fields[0], fields[1] | fields[2] << 64, tag))
+            pos += key_len
     except struct.error:
         return None
-    if pos != len(body) or any(not r.key for r in out):
+    if pos != len(body) or any(not record[0] for record in out):
+        return None
+    return out
+
+
+def _decode_del(body: memoryview, count: int) -> list[Record] | None:
+    pos = _KIND_COUNT.size
+    out: list[Record] = []
+    try:
+        for _ in range(count):
+            (key_len,) = _KEY_LEN.unpack_from(body, pos)
+            pos += _KEY_LEN.size
+            out.append((bytes(body[pos : pos + key_len]), None, 0, None))
+            pos += key_len
+    except struct.error:
+        return None
+    if pos != len(body) or any(not record[0] for record in out):
         return None
     return out
 
@@ -299,17 +334,17 @@ def replay(data: bytes | memoryview, seed: int) -> ReplayResult:
     for records, end in iter_records(data, seed, skipped):
         count += 1
         valid = end
-        for record in records:
-            previous = entries.pop(record.key, None)
+        for key, slot, checksum, tag in records:
+            previous = entries.pop(key, None)
             if previous is not None:
                 owner.pop(previous[0], None)
-            if record.slot is None:
+            if slot is None:
                 continue
-            other = owner.get(record.slot)
+            other = owner.get(slot)
             if other is not None:
                 del entries[other]
-            entries[record.key] = (record.slot, record.checksum, record.tag)
-            owner[record.slot] = record.key
+            entries[key] = (slot, checksum, tag)
+            owner[slot] = key
     tail_torn = True
     if skipped and skipped[-1][0] >= valid:
         tail_torn = _looks_torn(memoryview(data)[skipped[-1][0] :])
