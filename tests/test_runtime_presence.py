@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,7 +27,22 @@ def test_private_knowledge_never_ages() -> None:
     known = KnownPresent()
     for i in range(1000):
         known.add(k(i))
-    assert not known.ages and known.expire() == [] and len(known) == 1000
+    known.add(k(3))  # again: still known, once
+    known.discard(k(4))
+    assert not known.ages and known.expire() == [] and len(known) == 999
+    assert k(3) in known and k(4) not in known and known.issuperset([k(0), k(999)])
+
+
+def test_private_knowledge_leaves_the_garbage_collectors_lists() -> None:
+    """A tier's every block is in its view: a full collection (GIL held) must not walk them.
+    Shared knowledge keeps its learning order, which needs an OrderedDict (always tracked)."""
+    known, shared = KnownPresent(), KnownPresent(max_keys=10)
+    for i in range(100):
+        known.add(k(i))
+        shared.add(k(i))
+    gc.collect()
+    assert not gc.is_tracked(known._keys)
+    assert gc.is_tracked(shared._keys) and len(shared) == 10
 
 
 def test_answers_expire_oldest_first_and_a_refresh_restarts_the_clock() -> None:

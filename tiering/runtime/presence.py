@@ -51,7 +51,11 @@ class KnownPresent:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._clock = clock
-        self._keys: OrderedDict[OffloadKey, float] = OrderedDict()
+        # Knowledge that never ages needs no order: a plain dict of bytes and floats, which
+        # the garbage collector stops tracking (an OrderedDict it walks in every full
+        # collection: a tier's every block, GIL held; docs/runtime.md), at two thirds of
+        # the memory.
+        self._keys: dict[OffloadKey, float] = OrderedDict() if self.ages else {}
 
     @property
     def ages(self) -> bool:
@@ -74,6 +78,9 @@ class KnownPresent:
     def add(self, key: OffloadKey) -> list[OffloadKey]:
         """Learn (or refresh) that ``key`` is readable; returns the keys forgotten for room."""
         keys = self._keys
+        if not isinstance(keys, OrderedDict):  # never ages: no order to keep
+            keys[key] = 0.0
+            return []
         if key in keys:
             keys.move_to_end(key)
         keys[key] = self._clock() if self.ttl_s is not None else 0.0
