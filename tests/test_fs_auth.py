@@ -68,16 +68,10 @@ def _forge(
     try:
         header = read_header(directory)
         assert header is not None
-        entries = [(bytes(k), s, c, t) for k, (s, c, t) in keep.items()]
+        entries = [(bytes(k), entry) for k, entry in keep.items()]
         for k, (slot, payload) in victims.items():
-            entries.append(
-                (
-                    bytes(k),
-                    slot,
-                    xxhash.xxh3_128_intdigest(payload),
-                    None if slot % 2 else stored_tag(MACS[slot % 4 // 2], os.urandom(16)),
-                )
-            )
+            tag = None if slot % 2 else stored_tag(MACS[slot % 4 // 2], os.urandom(16))
+            entries.append((bytes(k), (slot, xxhash.xxh3_128_intdigest(payload), tag)))
         write_snapshot(directory, header, entries)
     finally:
         directory.close()
@@ -143,7 +137,7 @@ async def test_a_block_moved_to_another_key_fails_its_tag(
     try:
         header = read_header(directory)
         assert header is not None
-        write_snapshot(directory, header, [(bytes(b), *ea)])
+        write_snapshot(directory, header, [(bytes(b), ea)])
     finally:
         directory.close()
     async with opened(tmp_path, **auth) as tier:
@@ -288,7 +282,7 @@ async def test_a_tag_checked_with_the_other_mac_fails(tmp_path: Path, auth: dict
     try:
         header = read_header(directory)
         assert header is not None
-        write_snapshot(directory, header, [(bytes(k), *v) for k, v in relabelled.items()])
+        write_snapshot(directory, header, [(bytes(k), v) for k, v in relabelled.items()])
     finally:
         directory.close()
     async with opened(tmp_path, **auth) as tier:

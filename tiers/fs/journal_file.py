@@ -11,11 +11,13 @@ compaction) is :mod:`tiers.fs.journal`.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from tiers.fs.files import RootDir
 from tiers.fs.layout import JOURNAL_NAME, Header
 from tiers.fs.records import (
     HEADER_BYTES,
+    EntryValue,
     ReplayResult,
     decode_header,
     encode_header,
@@ -80,33 +82,37 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-#: One snapshot entry: ``(key, slot, checksum, stored tag)`` (tag None without a MAC key).
-SnapshotEntry = tuple[bytes, int, int, bytes | None]
+#: One snapshot entry: ``(key, (slot, checksum, stored tag))`` (tag None without a MAC key),
+#: the index's own items: a compaction copies them on the loop thread at C speed and leaves
+#: every per-entry step to :func:`encode_snapshot`, in a worker thread.
+SnapshotEntry = tuple[bytes, EntryValue]
 
 
-def encode_snapshot(header: Header, entries: list[SnapshotEntry]) -> bytes:
+def encode_snapshot(header: Header, entries: Sequence[SnapshotEntry]) -> bytes:
     """A whole journal holding ``entries``, in small records so one bad record costs little."""
     seed = header.journal_seed
     parts = [encode_header(bytes.fromhex(header.cache_id))]
     chunk = SNAPSHOT_RECORD_ENTRIES
-    if all(entry[3] is None for entry in entries):  # no MAC key: every run is a plain chunk
+    if all(entry[2] is None for _, entry in entries):  # no MAC key: plain chunks
         for start in range(0, len(entries), chunk):
             run = entries[start : start + chunk]
-            parts.append(encode_put([(k, s, c) for k, s, c, _ in run], seed))
+            parts.append(encode_put([(k, s, c) for k, (s, c, _) in run], seed))
         return b"".join(parts)
     start = 0
     while start < len(entries):
         # Runs of untagged entries, or of tags by one MAC (a key may have been added or
         # removed since, or the MAC changed).
-        kind = _tag_kind(entries[start][3])
+        kind = _tag_kind(entries[start][1][2])
         stop = start + 1
-        while stop < len(entries) and stop - start < chunk and _tag_kind(entries[stop][3]) == kind:
+        while (
+            stop < len(entries) and stop - start < chunk and _tag_kind(entries[stop][1][2]) == kind
+        ):
             stop += 1
         run = entries[start:stop]
         if kind is not None:
-            parts.append(encode_put_tagged([(k, s, c, t) for k, s, c, t in run if t], seed))
+            parts.append(encode_put_tagged([(k, s, c, t) for k, (s, c, t) in run if t], seed))
         else:
-            parts.append(encode_put([(k, s, c) for k, s, c, _ in run], seed))
+            parts.append(encode_put([(k, s, c) for k, (s, c, _) in run], seed))
         start = stop
     return b"".join(parts)
 
@@ -115,7 +121,7 @@ def _tag_kind(tag: bytes | None) -> int | None:
     return None if tag is None else tag[0]
 
 
-def write_snapshot(root: RootDir, header: Header, entries: list[SnapshotEntry]) -> int:
+def write_snapshot(root: RootDir, header: Header, entries: Sequence[SnapshotEntry]) -> int:
     """Atomically replace the journal with PUT records of ``entries``; returns its size.
 
     Blocking: call it in a worker thread.
@@ -126,7 +132,7 @@ def write_snapshot(root: RootDir, header: Header, entries: list[SnapshotEntry]) 
 
 
 def write_snapshot_for_append(
-    root: RootDir, header: Header, entries: list[SnapshotEntry]
+    root: RootDir, header: Header, entries: Sequence[SnapshotEntry]
 ) -> tuple[int, int]:
     """:func:`write_snapshot`, returning a descriptor of the new journal and its size.
 

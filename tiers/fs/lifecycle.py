@@ -87,7 +87,7 @@ def start_open_state(
         backend,
         sync_each_flush=cfg.durability == "fsync",
         before_flush=sync_data_strict if cfg.durability == "fsync" else None,
-        snapshot=lambda: [(k, *entry) for k, entry in index.items()],
+        snapshot=index.items,
         live_count=index.__len__,
     )
     state = OpenState(

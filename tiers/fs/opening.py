@@ -174,7 +174,7 @@ def _rewrite_journal(
     skips a torn tail or damage before new records, and drops entries beyond
     the slab files again at each open); otherwise a clear OSError.
     """
-    snapshot = [(k, s, c, t) for k, (s, c, t) in entries.items()]
+    snapshot = list(entries.items())
     try:
         return write_snapshot_for_append(root, header, snapshot)
     except OSError as exc:
