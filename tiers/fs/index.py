@@ -30,8 +30,8 @@ from tiering.policies import EvictionPolicy
 #: never a subclass: CPython's collector stops tracking a tuple of ints and bytes the
 #: first time it sees one, so a tier of millions of blocks adds nothing to a full
 #: collection, which holds the GIL (and so the scheduler) for its whole length. With one
-#: slots dataclass per block, a full collection of a 2M-block index took 252 ms
-#: (``benchmarks/gc_pause.py``).
+#: slots dataclass per block, a full collection of a 2M-block index took 190 ms, against
+#: 57 ms now (``benchmarks/gc_pause.py``).
 Entry = tuple[int, int, bytes | None]
 SLOT: Final = 0
 CHECKSUM: Final = 1
