@@ -157,7 +157,7 @@ SMOKES: dict[str, Smoke] = {
     "fs_reopen": Smoke(
         (
             r"^fs tier of [\d,]+ blocks of 4 KiB \(\d+ CPUs\): stored in [\d.]+ s, journal ",
-            r"^reopen, to the end of the first load\s+[\d.]+\s+[\d.]+$",
+            r"^\s*reopen, to the end of the first load\s+[\d.]+\s+[\d.]+$",
             r"^\s+replay of the journal\s+[\d.]+\s+[\d.]+$",
             r"^index memory: \d+ bytes per block ",
         ),

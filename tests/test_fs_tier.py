@@ -30,6 +30,7 @@ from tiers.fs import reads as fs_reads
 from tiers.fs import writes as fs_writes
 from tiers.fs.index import SLOT
 from tiers.fs.layout import HEADER_NAME, JOURNAL_NAME
+from tiers.fs.records import SYNC_MARKER
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -300,6 +301,40 @@ async def test_journal_is_compacted_and_still_recovers(
         assert set(await tier.list_keys()) == live
         for k in live:
             assert await read_key(tier, k) == block_data(k)
+
+
+async def test_a_restart_rewrites_the_journal_only_when_it_needs_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An intact journal no larger than the running tier lets one grow is appended to as it
+    is (rewriting costs a start 0.7 s per million blocks); one with a torn tail, or grown
+    past that size, is rewritten compactly at open."""
+    journal, config = tmp_path / JOURNAL_NAME, {"capacity_bytes": 16 * BLOCK}
+    async with opened(tmp_path, **config) as tier:
+        await write_keys(tier, [key(i) for i in range(4)])
+    kept = journal.stat()
+    async with opened(tmp_path, **config) as tier:
+        await write_keys(tier, [key(i) for i in range(4, 8)])
+    grown = journal.stat()
+    assert grown.st_ino == kept.st_ino and grown.st_size > kept.st_size
+    with journal.open("ab") as torn:
+        torn.write(SYNC_MARKER + b"\x40")  # an append cut short
+    async with opened(tmp_path, **config) as tier:
+        assert set(await tier.list_keys()) == {key(i) for i in range(8)}
+        assert any("torn tail" in note for note in tier.stats.notes)
+    assert journal.stat().st_ino != grown.st_ino
+    monkeypatch.setattr("tiers.fs.opening.COMPACT_MIN_BYTES", 0)
+    async with opened(tmp_path, **config) as tier:
+        assert not tier.stats.notes  # the torn tail went with the rewrite
+        for _ in range(8):  # 8 live blocks, 9 records of them: past 4x their size
+            await write_keys(tier, [key(i) for i in range(8)])
+    bloated = journal.stat()
+    async with opened(tmp_path, **config) as tier:
+        assert set(await tier.list_keys()) == {key(i) for i in range(8)}
+        for i in range(8):
+            assert await read_key(tier, key(i)) == block_data(key(i))
+    compacted = journal.stat()
+    assert compacted.st_ino != bloated.st_ino and compacted.st_size < bloated.st_size
 
 
 async def test_cancelled_batch_write_releases_its_slots(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ class TierService(_JobRunner):
 
         ``timeout_s`` is the caller's deadline for this call (``open_timeout_s``): an open
         that took more than half of it is one WARNING, while it still fits. A tier's open
-        grows with the blocks it holds (an fs tier replays its journal: about 3.4 us per
+        grows with the blocks it holds (an fs tier replays its journal: about 2.4 us per
         block, ``benchmarks/fs_reopen.py``), so a growing tier would otherwise fail to
         start one day without notice.
 
