@@ -94,3 +94,15 @@ def test_matches_a_reference_model(ops: list[tuple[str, int]], max_keys: int, tt
         known.check_invariants()
         assert list(known) == list(model) and len(known) == len(model)
         assert all(key in known for key in model)
+
+
+def test_learning_many_at_once_is_learning_each_in_turn() -> None:
+    """What a tier's open seeds: exact knowledge takes them all; shared knowledge keeps its
+    bound, the latest learnt."""
+    known, shared = KnownPresent(), KnownPresent(max_keys=3)
+    known.add(k(0))
+    known.add_many([k(i) for i in range(10)])
+    shared.add_many([k(i) for i in range(10)])
+    assert len(known) == 10 and known.issuperset([k(i) for i in range(10)])
+    assert list(shared) == [k(7), k(8), k(9)]
+    shared.check_invariants()

@@ -91,6 +91,15 @@ class KnownPresent:
             forgotten.append(keys.popitem(last=False)[0])
         return forgotten
 
+    def add_many(self, keys: Iterable[OffloadKey]) -> None:
+        """:meth:`add` for each of ``keys`` in order, the forgotten keys dropped (a tier's
+        recovered blocks at open: one dict update when the knowledge never ages)."""
+        if isinstance(self._keys, OrderedDict):
+            for key in keys:
+                self.add(key)
+        else:
+            self._keys.update(dict.fromkeys(keys, 0.0))
+
     def discard(self, key: OffloadKey) -> None:
         self._keys.pop(key, None)
 

@@ -49,6 +49,8 @@ from tiering.runtime.service_state import _Job as _Job  # re-exported: the facad
 from tiering.runtime.service_state import logger
 from tiering.tier import TierContext
 
+#: Recovered keys learnt per turn of the loop at open.
+_SEED_CHUNK = 65536
 #: An open that takes more than this share of its deadline is one WARNING.
 SLOW_OPEN_SHARE = 0.5
 
@@ -75,10 +77,10 @@ class TierService(_JobRunner):
         self._resolve_wakeup = asyncio.Event()
         self.tier._bind_removed_sink(self._on_removed)
         await self.tier.open(context)
-        for count, key in enumerate(await self.tier.list_keys(), 1):
-            self._learn_present(key)
-            if count % 65536 == 0:
-                await asyncio.sleep(0)  # a big recovered index must not stall the loop
+        recovered = list(await self.tier.list_keys())
+        for start in range(0, len(recovered), _SEED_CHUNK):
+            self.present.add_many(recovered[start : start + _SEED_CHUNK])
+            await asyncio.sleep(0)  # a big recovered index must not stall the loop
         self._resolver = self._loop.create_task(
             self._resolve_forever(), name=f"{self.name}-resolve"
         )
