@@ -283,3 +283,20 @@ def test_a_torn_tail_is_told_apart_from_a_damaged_one() -> None:
     flipped[-1] ^= 1  # the last record complete but failing its checksum
     assert not replay(bytes(flipped), SEED).tail_torn
     assert not replay(blob + b"garbage!", SEED).tail_torn
+
+
+def test_a_snapshot_pauses_after_each_record_and_replays_to_its_entries() -> None:
+    """A worker thread encoding a large index hands the GIL over between records."""
+    from tiers.fs.journal_file import SNAPSHOT_RECORD_ENTRIES, encode_snapshot
+
+    header = Header(4096, 4096, 64, "f", os.urandom(16).hex())
+    tag = stored_tag("ghash-aes", bytes(range(16)))
+    keys = [bytes([i]) * 36 for i in range(40)]
+    values = [(i, 2**100 + i, tag if 10 <= i < 14 else None) for i in range(40)]
+    pauses = []
+    blob = encode_snapshot(header, keys, values, lambda: pauses.append(1))
+    result = replay(memoryview(blob)[HEADER_BYTES:], header.journal_seed)
+    assert result.entries == dict(zip(keys, values, strict=True))
+    assert len(pauses) == result.records >= 40 // SNAPSHOT_RECORD_ENTRIES + 2
+    with pytest.raises(ValueError, match="40 keys but 39 entries"):
+        encode_snapshot(header, keys, values[:-1])

@@ -17,7 +17,7 @@ loop thread) drives it; nothing here blocks or awaits.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -130,6 +130,10 @@ class SlotIndex:
     def items(self) -> list[tuple[OffloadKey, Entry]]:
         """A snapshot of the visible entries, oldest first (for compaction)."""
         return list(self._entries.items())
+
+    def views(self) -> tuple[KeysView[OffloadKey], ValuesView[Entry]]:
+        """The visible keys and their entries, oldest first, live: the owner copies them."""
+        return self._entries.keys(), self._entries.values()
 
     def reserved_count(self) -> int:
         return len(self._reserved)

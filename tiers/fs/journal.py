@@ -27,11 +27,11 @@ import heapq
 import itertools
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 from tiers.fs.files import RootDir, is_deleted
 from tiers.fs.io import IoBackend, IoOp, OpKind, Priority
-from tiers.fs.journal_file import SnapshotEntry, write_snapshot_for_append
+from tiers.fs.journal_file import Snapshot, write_snapshot_for_append
 from tiers.fs.layout import Header
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class JournalWriter:
         *,
         sync_each_flush: bool,
         before_flush: Callable[[], Awaitable[None]] | None,
-        snapshot: Callable[[], Sequence[SnapshotEntry]],
+        snapshot: Callable[[], Snapshot],
         live_count: Callable[[], int],
     ) -> None:
         self.seed = header.journal_seed
@@ -307,10 +307,10 @@ class JournalWriter:
         return max(COMPACT_MIN_BYTES, COMPACT_FACTOR * live_bytes, self._retry_compaction_at)
 
     async def _compact(self) -> bool:
-        entries = self._snapshot()
+        snapshot = self._snapshot()
         self._replacing = True
         try:
-            new_fd, size = await asyncio.to_thread(self._write_and_open, entries)
+            new_fd, size = await asyncio.to_thread(self._write_and_open, snapshot)
         except OSError as exc:
             self._retry_compaction_at = 2 * self._offset
             logger.error("fs tier: journal compaction failed (will retry later): %s", exc)
@@ -322,9 +322,11 @@ class JournalWriter:
         with contextlib.suppress(OSError):
             os.close(old_fd)
         self.compactions += 1
-        logger.debug("fs tier: compacted the journal to %d entries (%d bytes)", len(entries), size)
+        logger.debug(
+            "fs tier: compacted the journal to %d entries (%d bytes)", len(snapshot[0]), size
+        )
         return True
 
-    def _write_and_open(self, entries: Sequence[SnapshotEntry]) -> tuple[int, int]:
+    def _write_and_open(self, snapshot: Snapshot) -> tuple[int, int]:
         """Write the snapshot, keeping it open for appending (blocking; a worker thread)."""
-        return write_snapshot_for_append(self._root, self._header, entries)
+        return write_snapshot_for_append(self._root, self._header, snapshot)

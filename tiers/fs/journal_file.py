@@ -11,8 +11,9 @@ compaction) is :mod:`tiers.fs.journal`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from tiering.runtime.gil_breaks import GilBreaks
 from tiers.fs.files import RootDir
 from tiers.fs.layout import JOURNAL_NAME, Header
 from tiers.fs.records import (
@@ -82,38 +83,58 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-#: One snapshot entry: ``(key, (slot, checksum, stored tag))`` (tag None without a MAC key),
-#: the index's own items: a compaction copies them on the loop thread at C speed and leaves
-#: every per-entry step to :func:`encode_snapshot`, in a worker thread.
+#: One snapshot entry: ``(key, (slot, checksum, stored tag))`` (tag None without a MAC key).
 SnapshotEntry = tuple[bytes, EntryValue]
+#: The index as a compaction copies it on the loop thread: its keys and its entries, two
+#: lists of references (no object created per block, so the copy starts no collection);
+#: every per-entry step is :func:`encode_snapshot`'s, in a worker thread.
+Snapshot = tuple[Sequence[bytes], Sequence[EntryValue]]
 
 
-def encode_snapshot(header: Header, entries: Sequence[SnapshotEntry]) -> bytes:
-    """A whole journal holding ``entries``, in small records so one bad record costs little."""
+def _no_pause() -> None:
+    pass
+
+
+def encode_snapshot(
+    header: Header,
+    keys: Sequence[bytes],
+    values: Sequence[EntryValue],
+    pause: Callable[[], None] = _no_pause,
+) -> bytes:
+    """A whole journal holding ``values[i]`` for each ``keys[i]``, in small records so one
+    bad record costs little.
+
+    ``pause()`` runs after each record: a :class:`~tiering.runtime.gil_breaks.GilBreaks`
+    keeps a worker thread encoding a large index from holding the GIL for long.
+    """
+    if len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys but {len(values)} entries")
     seed = header.journal_seed
     parts = [encode_header(bytes.fromhex(header.cache_id))]
     chunk = SNAPSHOT_RECORD_ENTRIES
-    if all(entry[2] is None for _, entry in entries):  # no MAC key: plain chunks
-        for start in range(0, len(entries), chunk):
-            run = entries[start : start + chunk]
-            parts.append(encode_put([(k, s, c) for k, (s, c, _) in run], seed))
-        return b"".join(parts)
     start = 0
-    while start < len(entries):
-        # Runs of untagged entries, or of tags by one MAC (a key may have been added or
-        # removed since, or the MAC changed).
-        kind = _tag_kind(entries[start][1][2])
-        stop = start + 1
-        while (
-            stop < len(entries) and stop - start < chunk and _tag_kind(entries[stop][1][2]) == kind
-        ):
-            stop += 1
-        run = entries[start:stop]
-        if kind is not None:
-            parts.append(encode_put_tagged([(k, s, c, t) for k, (s, c, t) in run if t], seed))
+    while start < len(keys):
+        run = values[start : start + chunk]
+        if all(entry[2] is None for entry in run):  # no MAC key: the usual case
+            entries = zip(keys[start : start + chunk], run, strict=True)
+            parts.append(encode_put([(k, s, c) for k, (s, c, _) in entries], seed))
+            start += len(run)
         else:
-            parts.append(encode_put([(k, s, c) for k, (s, c, _) in run], seed))
-        start = stop
+            # Runs of untagged entries, or of tags by one MAC (a key may have been added or
+            # removed since, or the MAC changed).
+            kind = _tag_kind(values[start][2])
+            stop = start + 1
+            while stop < len(keys) and stop - start < chunk and _tag_kind(values[stop][2]) == kind:
+                stop += 1
+            tagged = zip(keys[start:stop], values[start:stop], strict=True)
+            if kind is not None:
+                parts.append(
+                    encode_put_tagged([(k, s, c, t) for k, (s, c, t) in tagged if t], seed)
+                )
+            else:
+                parts.append(encode_put([(k, s, c) for k, (s, c, _) in tagged], seed))
+            start = stop
+        pause()
     return b"".join(parts)
 
 
@@ -126,20 +147,19 @@ def write_snapshot(root: RootDir, header: Header, entries: Sequence[SnapshotEntr
 
     Blocking: call it in a worker thread.
     """
-    payload = encode_snapshot(header, entries)
+    keys, values = [key for key, _ in entries], [value for _, value in entries]
+    payload = encode_snapshot(header, keys, values, GilBreaks())
     root.replace_atomically(JOURNAL_NAME, payload)
     return len(payload)
 
 
-def write_snapshot_for_append(
-    root: RootDir, header: Header, entries: Sequence[SnapshotEntry]
-) -> tuple[int, int]:
-    """:func:`write_snapshot`, returning a descriptor of the new journal and its size.
+def write_snapshot_for_append(root: RootDir, header: Header, snapshot: Snapshot) -> tuple[int, int]:
+    """The journal replaced by ``snapshot``; a descriptor of the new file and its size.
 
     The descriptor is that of the file written, even if the name is removed or
     replaced right after the rename. Blocking: call it in a worker thread.
     """
-    payload = encode_snapshot(header, entries)
+    payload = encode_snapshot(header, *snapshot, GilBreaks())
     fd = root.replace_atomically(JOURNAL_NAME, payload, keep_open=True)
     assert fd is not None
     return fd, len(payload)

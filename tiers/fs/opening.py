@@ -188,9 +188,8 @@ def _rewrite_journal(
     skips a torn tail or damage before new records, and drops entries beyond
     the slab files again at each open); otherwise a clear OSError.
     """
-    snapshot = list(entries.items())
     try:
-        return write_snapshot_for_append(root, header, snapshot)
+        return write_snapshot_for_append(root, header, (list(entries), list(entries.values())))
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not appendable:
             raise OSError(
