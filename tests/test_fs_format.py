@@ -148,7 +148,7 @@ def test_a_record_of_one_key_length_decodes_as_entry_by_entry(
     body = memoryview(blob)[records._FRAME.size : -8]
     decoded = records._decode_body(body)
     tag_of = None if mac is None else bytes((kind,))
-    assert decoded == records._decode_put(body, len(rows), entry, tag_of)
+    assert decoded == records._decode_entries(body, len(rows), entry, tag_of)
     assert decoded is not None and [(k, s, c) for k, s, c, _ in decoded] == [
         (k, s, c) for k, (s, c) in zip(keys_, rows, strict=True)
     ]

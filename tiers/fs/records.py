@@ -214,7 +214,7 @@ def iter_records(
 def _decode_body(body: memoryview) -> list[Record] | None:
     kind, count = _KIND_COUNT.unpack_from(body, 0)
     if kind == DEL_TYPE:
-        return _decode_del(body, count)
+        return _decode_entries(body, count, _KEY_LEN, None)
     if kind == PUT_TYPE:
         entry, tag_of = _PUT_ENTRY, None
     elif kind in MAC_OF_RECORD_TYPE:
@@ -223,13 +223,13 @@ def _decode_body(body: memoryview) -> list[Record] | None:
         return None
     start = _KIND_COUNT.size
     if not count or len(body) < start + entry.size:
-        return _decode_put(body, count, entry, tag_of)
+        return _decode_entries(body, count, entry, tag_of)
     (key_len,) = _KEY_LEN.unpack_from(body, start + entry.size - _KEY_LEN.size)
     # The tier writes every key of a record at one length: then the whole body is one array
     # of fixed-size entries, decoded in one call (about 3x faster than entry by entry). An
     # entry whose own length differs shows it where it starts: then entry by entry.
     if not key_len or len(body) != start + count * (entry.size + key_len):
-        return _decode_put(body, count, entry, tag_of)
+        return _decode_entries(body, count, entry, tag_of)
     rows = _fixed_put_entry(entry.format, key_len).iter_unpack(body[start:])
     out: list[Record]
     if tag_of is None:
@@ -240,7 +240,7 @@ def _decode_body(body: memoryview) -> list[Record] | None:
             for slot, lo, hi, tag, n, key in rows
             if n == key_len
         ]
-    return out if len(out) == count else _decode_put(body, count, entry, tag_of)
+    return out if len(out) == count else _decode_entries(body, count, entry, tag_of)
 
 
 @functools.lru_cache(maxsize=16)
@@ -249,10 +249,11 @@ def _fixed_put_entry(entry_format: str, key_len: int) -> struct.Struct:
     return struct.Struct(f"{entry_format}{key_len}s")
 
 
-def _decode_put(
+def _decode_entries(
     body: memoryview, count: int, entry: struct.Struct, tag_of: bytes | None
 ) -> list[Record] | None:
-    """A PUT body entry by entry (keys of several lengths, or a malformed body)."""
+    """A body entry by entry: a DEL's (``entry`` is the key length alone) or a PUT's (keys
+    of several lengths, or a malformed body)."""
     pos = _KIND_COUNT.size
     out: list[Record] = []
     try:
@@ -261,24 +262,11 @@ def _decode_put(
             pos += entry.size
             key_len = fields[-1]
             key = bytes(body[pos : pos + key_len])
-            tag = None if tag_of is None else tag_of + fields[3]
-            out.append((key, fields[0], fields[1] | fields[2] << 64, tag))
-            pos += key_len
-    except struct.error:
-        return None
-    if pos != len(body) or any(not record[0] for record in out):
-        return None
-    return out
-
-
-def _decode_del(body: memoryview, count: int) -> list[Record] | None:
-    pos = _KIND_COUNT.size
-    out: list[Record] = []
-    try:
-        for _ in range(count):
-            (key_len,) = _KEY_LEN.unpack_from(body, pos)
-            pos += _KEY_LEN.size
-            out.append((bytes(body[pos : pos + key_len]), None, 0, None))
+            if len(fields) == 1:  # a DEL
+                out.append((key, None, 0, None))
+            else:
+                tag = None if tag_of is None else tag_of + fields[3]
+                out.append((key, fields[0], fields[1] | fields[2] << 64, tag))
             pos += key_len
     except struct.error:
         return None
