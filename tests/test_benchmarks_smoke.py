@@ -160,6 +160,7 @@ SMOKES: dict[str, Smoke] = {
             r"^\s*reopen, to the end of the first load\s+[\d.]+\s+[\d.]+$",
             r"^\s+replay of the journal\s+[\d.]+\s+[\d.]+$",
             r"^index memory: \d+ bytes per block ",
+            r"^\s*encode in a worker, GIL breaks \(now\)\s+\d+\s+\d+\s+[\d.na]+\s",
         ),
     ),
     "fs_striping": Smoke(
