@@ -18,10 +18,10 @@ with the blocks it holds: a server's drives hold millions. The run:
   and the memory the restored index holds per block (``tracemalloc``);
 * **a compaction beside a scheduler**: a thread resting 2 ms per step (the GPU)
   and then running a little Python, while the loop thread copies the restored
-  index and a worker thread encodes the copy, each the way it was done before
-  (one C call; Python interrupted only at the 5 ms switch interval) and the way
-  it is now (:mod:`tiering.runtime.gil_breaks`): how long each step waited for
-  the GIL past its 2 ms (p50, p99, max).
+  index (and the copy is freed once encoded) and a worker thread encodes it,
+  each the way it was done before (one C call; Python interrupted only at the
+  5 ms switch interval) and the way it is now (:mod:`tiering.runtime.gil_breaks`):
+  how long each step waited for the GIL past its 2 ms (p50, p99, max).
 
 No target: the figures say what a restart costs per block on this machine.
 """
@@ -49,7 +49,7 @@ from benchmarks.support.fs_drive import Primary, Workload, run_jobs
 from tiering.core.keys import make_offload_key
 from tiering.policies.lru import LRUPolicy
 from tiering.runtime import AsyncTierManager
-from tiering.runtime.gil_breaks import GilBreaks
+from tiering.runtime.gil_breaks import GilBreaks, clear_in_turns
 from tiers.fs import FileSystemTier
 from tiers.fs.files import RootDir
 from tiers.fs.index import SlotIndex
@@ -133,12 +133,19 @@ def scheduler_waits(work: Callable[[], object]) -> tuple[float, list[float]]:
     return took, sorted(waits)
 
 
+def _copy_and_free_in_turns(index: SlotIndex) -> None:
+    """The loop thread's copy, then the worker thread's emptying of it once encoded."""
+    keys, values = _snapshot_in_turns(index)
+    clear_in_turns(keys)
+    clear_in_turns(values)
+
+
 def compaction_rows(index: SlotIndex, header: Header) -> list[tuple[str, ...]]:
     """A compaction's two parts beside a resting scheduler, before and now (see above)."""
     keys, values = _snapshot_in_turns(index)
     runs = [
-        ("copy on the loop thread, one C call (before)", index.items),
-        ("copy on the loop thread, in turns (now)", lambda: _snapshot_in_turns(index)),
+        ("copy and free, one C call each (before)", index.items),
+        ("copy and free, in turns (now)", lambda: _copy_and_free_in_turns(index)),
         ("encode in a worker, no breaks (before)", lambda: encode_snapshot(header, keys, values)),
         (
             "encode in a worker, GIL breaks (now)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiering.runtime.gil_breaks import COPY_CHUNK, GilBreaks, list_in_turns
+from tiering.runtime.gil_breaks import COPY_CHUNK, GilBreaks, clear_in_turns, list_in_turns
 
 
 class FakeTime:
@@ -55,3 +55,13 @@ def test_a_copy_in_turns_is_the_list_with_a_break_per_chunk(n: int) -> None:
     assert list_in_turns(source.items(), lambda: calls.append(1)) == list(source.items())
     assert len(calls) == -(-n // COPY_CHUNK)  # one break after each chunk
     assert list_in_turns(iter(range(n))) == list(range(n))  # with its own GilBreaks
+
+
+@pytest.mark.parametrize("n", [0, 1, COPY_CHUNK, 2 * COPY_CHUNK + 1])
+def test_a_list_is_emptied_in_turns_from_its_end(n: int) -> None:
+    calls = []
+    items = list(range(n))
+    seen_lengths = []
+    clear_in_turns(items, lambda: (calls.append(1), seen_lengths.append(len(items))))
+    assert items == [] and len(calls) == -(-n // COPY_CHUNK)
+    assert seen_lengths == sorted(seen_lengths, reverse=True)  # shorter at every break

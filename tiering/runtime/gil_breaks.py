@@ -13,7 +13,9 @@ callbacks. One long piece of work holds it longer:
 :class:`GilBreaks` is called between the units of such work and sleeps
 ``pause_s`` (releasing the GIL long enough for a woken thread to take it, as the
 selector's hand-off does) once ``every_s`` has passed since its last pause;
-:func:`list_in_turns` copies an iterable in chunks with a break between them.
+:func:`list_in_turns` copies an iterable in chunks with a break between them, and
+:func:`clear_in_turns` empties a list so (freeing is C too: a million references,
+about 10 ms).
 A pause costs about 60 us per ``every_s`` of work (6 % at 1 ms), and nothing when
 the work is shorter than ``every_s``.
 """
@@ -78,3 +80,12 @@ def list_in_turns(items: Iterable[T], breaks: Callable[[], None] | None = None) 
         out.extend(chunk)
         pause()
     return out
+
+
+def clear_in_turns(items: list[T], breaks: Callable[[], None] | None = None) -> None:
+    """Empty ``items`` from its end, :data:`COPY_CHUNK` at a time with ``breaks()`` between
+    chunks: dropping a million references at once is about 10 ms of C, GIL held."""
+    pause = GilBreaks() if breaks is None else breaks
+    while items:
+        del items[-COPY_CHUNK:]
+        pause()

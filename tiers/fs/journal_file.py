@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-from tiering.runtime.gil_breaks import GilBreaks
+from tiering.runtime.gil_breaks import GilBreaks, clear_in_turns
 from tiers.fs.files import RootDir
 from tiers.fs.layout import JOURNAL_NAME, Header
 from tiers.fs.records import (
@@ -88,7 +88,7 @@ SnapshotEntry = tuple[bytes, EntryValue]
 #: The index as a compaction copies it on the loop thread: its keys and its entries, two
 #: lists of references (no object created per block, so the copy starts no collection);
 #: every per-entry step is :func:`encode_snapshot`'s, in a worker thread.
-Snapshot = tuple[Sequence[bytes], Sequence[EntryValue]]
+Snapshot = tuple[list[bytes], list[EntryValue]]
 
 
 def _no_pause() -> None:
@@ -156,10 +156,16 @@ def write_snapshot(root: RootDir, header: Header, entries: Sequence[SnapshotEntr
 def write_snapshot_for_append(root: RootDir, header: Header, snapshot: Snapshot) -> tuple[int, int]:
     """The journal replaced by ``snapshot``; a descriptor of the new file and its size.
 
-    The descriptor is that of the file written, even if the name is removed or
-    replaced right after the rename. Blocking: call it in a worker thread.
+    Consumes ``snapshot``: its lists are emptied once encoded, in turns (freeing a million
+    references at once would hold the GIL for about 10 ms). The descriptor is that of the
+    file written, even if the name is removed or replaced right after the rename.
+    Blocking: call it in a worker thread.
     """
-    payload = encode_snapshot(header, *snapshot, GilBreaks())
+    breaks = GilBreaks()
+    payload = encode_snapshot(header, *snapshot, breaks)
+    keys, values = snapshot
+    clear_in_turns(keys, breaks)
+    clear_in_turns(values, breaks)
     fd = root.replace_atomically(JOURNAL_NAME, payload, keep_open=True)
     assert fd is not None
     return fd, len(payload)
