@@ -55,7 +55,7 @@ from tiers.fs.files import RootDir
 from tiers.fs.index import SlotIndex
 from tiers.fs.journal_file import encode_snapshot
 from tiers.fs.layout import JOURNAL_NAME, Header, read_header
-from tiers.fs.lifecycle import _snapshot_in_turns
+from tiers.fs.lifecycle import snapshot_in_turns
 from tiers.fs.records import HEADER_BYTES, replay
 
 T = TypeVar("T")
@@ -135,14 +135,14 @@ def scheduler_waits(work: Callable[[], object]) -> tuple[float, list[float]]:
 
 def _copy_and_free_in_turns(index: SlotIndex) -> None:
     """The loop thread's copy, then the worker thread's emptying of it once encoded."""
-    keys, values = _snapshot_in_turns(index)
+    keys, values = snapshot_in_turns(index)
     clear_in_turns(keys)
     clear_in_turns(values)
 
 
 def compaction_rows(index: SlotIndex, header: Header) -> list[tuple[str, ...]]:
     """A compaction's two parts beside a resting scheduler, before and now (see above)."""
-    keys, values = _snapshot_in_turns(index)
+    keys, values = snapshot_in_turns(index)
     runs = [
         ("copy and free, one C call each (before)", index.items),
         ("copy and free, in turns (now)", lambda: _copy_and_free_in_turns(index)),

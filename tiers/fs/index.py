@@ -23,6 +23,7 @@ from typing import Final
 
 from tiering.core.keys import OffloadKey
 from tiering.policies import EvictionPolicy
+from tiers.fs.records import EntryValue
 
 #: Where a visible block lives, the xxh3_128 checksum of its bytes and its MAC tag
 #: (:mod:`tiering.tier.auth`; None for a block stored without one), read as
@@ -32,7 +33,7 @@ from tiering.policies import EvictionPolicy
 #: collection, which holds the GIL (and so the scheduler) for its whole length. With one
 #: slots dataclass per block, a full collection of a 2M-block index took 190 ms, against
 #: 57 ms now (``benchmarks/gc_pause.py``).
-Entry = tuple[int, int, bytes | None]
+Entry = EntryValue  # what replay yields per key, kept as it is
 SLOT: Final = 0
 CHECKSUM: Final = 1
 TAG: Final = 2

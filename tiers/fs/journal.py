@@ -43,6 +43,12 @@ COMPACT_MIN_BYTES = 8 * 1024 * 1024
 RECORD_ESTIMATE = 70
 
 
+def compaction_limit(live_count: int) -> int:
+    """The journal size past which it is compacted, for ``live_count`` visible blocks: the
+    running tier's rule, and an open's (it rewrites an intact journal only past it)."""
+    return max(COMPACT_MIN_BYTES, COMPACT_FACTOR * live_count * RECORD_ESTIMATE)
+
+
 class JournalWriteError(OSError):
     """Writing the journal failed; the records are retried with the next flush."""
 
@@ -303,8 +309,7 @@ class JournalWriter:
                 future.set_exception(exc)
 
     def _compact_threshold(self) -> int:
-        live_bytes = self._live_count() * RECORD_ESTIMATE
-        return max(COMPACT_MIN_BYTES, COMPACT_FACTOR * live_bytes, self._retry_compaction_at)
+        return max(compaction_limit(self._live_count()), self._retry_compaction_at)
 
     async def _compact(self) -> bool:
         snapshot = self._snapshot()

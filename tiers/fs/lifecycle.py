@@ -90,7 +90,7 @@ def start_open_state(
         backend,
         sync_each_flush=cfg.durability == "fsync",
         before_flush=sync_data_strict if cfg.durability == "fsync" else None,
-        snapshot=functools.partial(_snapshot_in_turns, index),
+        snapshot=functools.partial(snapshot_in_turns, index),
         live_count=index.__len__,
     )
     state = OpenState(
@@ -187,7 +187,7 @@ def record_open(stats: FsTierStats, cfg: FsTierConfig, name: str, opened: list[P
         )
 
 
-def _snapshot_in_turns(index: SlotIndex) -> Snapshot:
+def snapshot_in_turns(index: SlotIndex) -> Snapshot:
     """The index's keys and entries, copied on the loop thread with GIL hand-offs between
     chunks (a million blocks is 40-90 ms of C otherwise; ``docs/runtime.md``)."""
     keys, values = index.views()

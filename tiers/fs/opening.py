@@ -22,7 +22,7 @@ from tiering.core.errors import ConfigError
 from tiers.fs.config import FsTierConfig
 from tiers.fs.errors import RootInUseError
 from tiers.fs.files import RootDir, UnsafeFileError
-from tiers.fs.journal import COMPACT_FACTOR, COMPACT_MIN_BYTES, RECORD_ESTIMATE
+from tiers.fs.journal import compaction_limit
 from tiers.fs.journal_file import (
     open_for_append,
     recover,
@@ -170,9 +170,7 @@ def _record_root_set(
 
 def _compact(result: ReplayResult, live: int) -> bool:
     """Whether a replayed journal is within the size at which the running tier compacts it."""
-    return HEADER_BYTES + result.valid_bytes <= max(
-        COMPACT_MIN_BYTES, COMPACT_FACTOR * live * RECORD_ESTIMATE
-    )
+    return HEADER_BYTES + result.valid_bytes <= compaction_limit(live)
 
 
 def _rewrite_journal(
