@@ -6,11 +6,13 @@ the footprint, or on follow-ups to recent documents, LRU keeps what a frequency 
 costs (0.5-2 points). ``adaptive`` keeps both orders of the same resident set and lets
 the one that is doing better choose the victims:
 
-* **two experts over one resident set**: an LRU order (one ordered dict) and a reuse
-  expert (:class:`~tiering.policies.arc.ARCPolicy` by default, ``expert="kvaware"``
-  for :class:`~tiering.policies.kvaware.KVAwarePolicy`) see every insert, use and
-  removal. When the LRU expert chooses, its victims leave the reuse expert as removals,
-  not evictions: no ghost entry, so the reuse expert's own adaptation (ARC's ``p``) is
+* **two experts over one resident set**: a reuse expert
+  (:class:`~tiering.policies.arc.ARCPolicy` by default, ``expert="kvaware"`` for
+  :class:`~tiering.policies.kvaware.KVAwarePolicy`) sees every insert, use and removal,
+  and stamps each use, so its two resident lists merged by stamp are the LRU order of
+  the resident set (:mod:`tiering.policies.recency`): the LRU expert, with no order of
+  its own to keep. When the LRU expert chooses, its victims leave the reuse expert as
+  removals, not evictions: no ghost entry, so the reuse expert's own adaptation (ARC's ``p``) is
   driven only by its own choices (making them its ghosts measured worse: a switch back
   found the expert's target pulled off by decisions it did not make).
 * **shadow caches decide** (Waldspurger et al.'s miniature simulations, the role of
@@ -34,8 +36,8 @@ the one that is doing better choose the victims:
   makes the block the most recently used in both experts (without promoting it), as LRU
   does: a block a request looked up again is never the next victim before its read.
 
-Invariants: the LRU order and the reuse expert hold the same keys, at most
-``capacity``; the expert's and the shadows' own invariants hold; request marks only
+Invariants: at most ``capacity`` resident keys, each of the reuse expert's resident
+lists in use order; the expert's and the shadows' own invariants hold; request marks only
 for resident keys. Every operation is O(1) (plus the pinned keys ``evict`` skips); the
 shadows add work for ``1 / rate`` of the operations only.
 """
@@ -111,7 +113,7 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         self._margin = _number("margin", margin, 0, 1)
         self._rate = max(1, capacity // shadow)
         mini = max(1, capacity // self._rate)
-        self._lru: OrderedDict[K, None] = OrderedDict()
+        # The resident set, in the reuse expert's order and (merged by use stamp) in LRU's.
         self._reuse: ARCPolicy[K] | KVAwarePolicy[K] = _reuse_expert(expert, capacity)
         # The LRU shadow is a bare ordered dict (oldest first): LRUPolicy's checks, per
         # sampled use, cost more than the order itself.
@@ -166,7 +168,7 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         """One use of a sampled key: each shadow hits, or misses and stores it."""
         hits = self._shadow_hits
         decay = self._decay
-        guided, resident = self._guided, self._lru
+        guided, resident = self._guided, self._reuse
         order = self._shadow_lru
         hit_lru = key in order
         if hit_lru:
@@ -214,66 +216,57 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
     # -- the EvictionPolicy interface ---------------------------------------------------------
 
     def insert(self, key: K) -> None:
-        # The reuse expert holds the same keys: its insert raises (changing nothing) for a
-        # resident key or a full policy. Written out here and in insert_in / access /
-        # access_in, not shared: this is the hot path, and a call per block costs
-        # (benchmarks/primary.py). access_in never calls access (a subclass may route
-        # access through access_in).
+        # The reuse expert's insert raises (changing nothing) for a resident key or a full
+        # policy. Written out here and in insert_in / access / access_in, not shared: this
+        # is the hot path, and a call per block costs (benchmarks/primary.py). access_in
+        # never calls access (a subclass may route access through access_in).
         self._reuse.insert(key)
-        self._lru[key] = None
         rate = self._rate
         if rate == 1 or hash(key) % rate == 0:
             self._sampled(key)
 
     def insert_in(self, key: K, context: RequestContext) -> None:
         self._reuse.insert(key)
-        self._lru[key] = None
         self._last_request[key] = context.request_id
         rate = self._rate
         if rate == 1 or hash(key) % rate == 0:
             self._sampled(key)
 
     def access(self, key: K) -> None:
-        lru = self._lru
-        if key in lru:
-            lru.move_to_end(key)
-            self._reuse.access(key)
+        if self._reuse.use(key):
             rate = self._rate
             if rate == 1 or hash(key) % rate == 0:
                 self._sampled(key)
 
     def access_in(self, key: K, context: RequestContext) -> None:
-        lru = self._lru
-        if key not in lru:
-            return
         last = self._last_request
-        if last.get(key, _MISSING) != context.request_id:
-            last[key] = context.request_id
-            lru.move_to_end(key)
-            self._reuse.access(key)
-            rate = self._rate
-            if rate == 1 or hash(key) % rate == 0:
-                self._sampled(key)
+        request = context.request_id
+        if last.get(key, _MISSING) != request:
+            # Only resident keys have a mark, so a key without this request's mark may be
+            # absent: ``use`` answers that, and an absent key is ignored.
+            if self._reuse.use(key):
+                last[key] = request
+                rate = self._rate
+                if rate == 1 or hash(key) % rate == 0:
+                    self._sampled(key)
         else:
             # The same request again (a lookup before its read, a decode step): not a
             # second use, but the block is the most recently used, as under LRU, so that
             # evictions before the read take what was stored since, never this block.
-            lru.move_to_end(key)
             self._reuse.refresh(key)
 
     def remove(self, key: K) -> None:
-        if self._lru.pop(key, _MISSING) is not _MISSING:
-            self._reuse.remove(key)
-            if self._last_request:
-                self._last_request.pop(key, None)
-            if self._guided:
-                self._stale[0].pop(key, None)
-                self._stale[1].pop(key, None)
+        self._reuse.remove(key)
+        if self._last_request:
+            self._last_request.pop(key, None)
+        if self._guided:
+            self._stale[0].pop(key, None)
+            self._stale[1].pop(key, None)
 
     def evict(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
         if n <= 0:
             return []
-        lru, reuse, last = self._lru, self._reuse, self._last_request
+        last = self._last_request
         victims: list[K] = []
         if self._guided:
             victims = self._evict_stale(n, can_evict)
@@ -281,19 +274,9 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
             if not n:
                 return victims
         if self._follow_lru:
-            chosen: list[K] = []
-            for key in lru:
-                if can_evict(key):
-                    chosen.append(key)
-                    if len(chosen) == n:
-                        break
-            for key in chosen:
-                del lru[key]
-                reuse.remove(key)
+            chosen = self._reuse.least_recent(n, can_evict)
         else:
-            chosen = reuse.evict(n, can_evict)
-            for key in chosen:
-                del lru[key]
+            chosen = self._reuse.evict(n, can_evict)
         if last:
             for key in chosen:
                 last.pop(key, None)
@@ -316,33 +299,31 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
                 picked.append(key)
                 if len(picked) == n:
                     break
-        lru, last = self._lru, self._last_request
+        last = self._last_request
         # The reuse expert's own victims are its ghosts; LRU's are not (see above).
         drop = self._reuse.remove if follow_lru else self._reuse.retire
         for key in picked:
             del stale[key]
             other.pop(key, None)
-            del lru[key]
             last.pop(key, None)
             drop(key)
         return picked
 
     def __contains__(self, key: object) -> bool:
-        return key in self._lru
+        return key in self._reuse
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._reuse)
 
     def __iter__(self) -> Iterator[K]:
-        return iter(self._lru)
+        return self._reuse.recency_order()  # least recently used first
 
     def check_invariants(self) -> None:
-        assert len(self._lru) <= self.capacity, (len(self._lru), self.capacity)
-        assert len(self._reuse) == len(self._lru), "the experts disagree on the resident set"
-        assert all(key in self._reuse for key in self._lru), "the experts hold other keys"
-        assert all(key in self._lru for key in self._last_request), "stale request marks"
+        reuse = self._reuse
+        assert len(reuse) <= self.capacity, (len(reuse), self.capacity)
+        assert all(key in reuse for key in self._last_request), "stale request marks"
         for stale, shadow in zip(self._stale, (self._shadow_lru, self._shadow_reuse), strict=True):
-            assert all(key in self._lru and key not in shadow for key in stale), "stale marks"
+            assert all(key in reuse and key not in shadow for key in stale), "stale marks"
         self._reuse.check_invariants()
         assert len(self._shadow_lru) <= self._mini, (len(self._shadow_lru), self._mini)
         self._shadow_reuse.check_invariants()

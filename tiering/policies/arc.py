@@ -23,6 +23,10 @@ for a ``B2`` hit (evict from ``T1`` when ``|T1| == p``) is not applied because
 ``evict`` does not know which key is coming. Both only shift one decision per
 ghost hit; the invariants below hold exactly.
 
+Each resident key's value is the stamp of its last use (one counter over both
+lists), so each list is in use order and :meth:`ARCPolicy.least_recent` can merge
+them into the resident set's LRU order (the adaptive policy's LRU expert).
+
 Invariants (``c`` = capacity): ``|T1| + |T2| <= c``, ``|T1| + |B1| <= c``,
 ``|T1| + |T2| + |B1| + |B2| <= 2c``, ``0 <= p <= c``, the four lists disjoint.
 Every operation is O(1) (plus the pinned keys ``evict`` skips).
@@ -37,6 +41,7 @@ from itertools import chain
 from typing import Literal, NamedTuple
 
 from tiering.policies.base import EvictionPolicy, K
+from tiering.policies.recency import by_recency, check_use_order, least_recent
 
 ARCList = Literal["T1", "T2", "B1", "B2"]
 
@@ -62,11 +67,13 @@ class ARCPolicy(EvictionPolicy[K]):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._t1: OrderedDict[K, None] = OrderedDict()
-        self._t2: OrderedDict[K, None] = OrderedDict()
+        # Resident lists: key -> stamp of its last use. Ghosts: key -> None.
+        self._t1: OrderedDict[K, int] = OrderedDict()
+        self._t2: OrderedDict[K, int] = OrderedDict()
         self._b1: OrderedDict[K, None] = OrderedDict()
         self._b2: OrderedDict[K, None] = OrderedDict()
         self._p = 0.0
+        self._clock = 0
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -102,16 +109,17 @@ class ARCPolicy(EvictionPolicy[K]):
         resident = n1 + len(t2)
         if resident >= capacity:
             raise ValueError(f"cannot insert {key!r}: {capacity} keys resident, evict first")
+        self._clock = stamp = self._clock + 1
         if key in b1:
             # Case II: evicted from T1 too early, so T1 deserves more room.
             self._p = min(float(capacity), self._p + max(len(b2) / len(b1), 1.0))
             del b1[key]
-            t2[key] = None
+            t2[key] = stamp
         elif key in b2:
             # Case III: evicted from T2 too early, so T2 deserves more room.
             self._p = max(0.0, self._p - max(len(b1) / len(b2), 1.0))
             del b2[key]
-            t2[key] = None
+            t2[key] = stamp
         else:
             # Case IV: a new key. Trim the ghosts so the directory stays within
             # |T1|+|B1| <= c and 2c in total. As |T1|+|T2| < c here, the list
@@ -121,16 +129,21 @@ class ARCPolicy(EvictionPolicy[K]):
                 b1.popitem(last=False)
             elif resident + ghosts1 + len(b2) >= 2 * capacity:
                 b2.popitem(last=False)
-            t1[key] = None
+            t1[key] = stamp
 
     def access(self, key: K) -> None:
+        self.use(key)
+
+    def use(self, key: K) -> bool:
+        """``access(key)``, answering whether ``key`` is resident (one lookup for both)."""
         t2 = self._t2
         if key in t2:
             t2.move_to_end(key)
-        elif key in self._t1:
-            # A second use: promote from recency to frequency.
-            del self._t1[key]
-            t2[key] = None
+        elif self._t1.pop(key, _MISSING) is _MISSING:
+            return False
+        # A use in T2, or a second use: promoted from recency to frequency.
+        self._clock = t2[key] = self._clock + 1
+        return True
 
     def refresh(self, key: K) -> None:
         """Make resident ``key`` the most recent of its list without counting a use.
@@ -139,10 +152,13 @@ class ARCPolicy(EvictionPolicy[K]):
         again): the key is as safe from eviction as a just-used one, but a key seen
         once stays in ``T1``. Ignored when ``key`` is not resident.
         """
-        if key in self._t2:
-            self._t2.move_to_end(key)
-        elif key in self._t1:
-            self._t1.move_to_end(key)
+        t1, t2 = self._t1, self._t2
+        if key in t2:
+            t2.move_to_end(key)
+            self._clock = t2[key] = self._clock + 1
+        elif key in t1:
+            t1.move_to_end(key)
+            self._clock = t1[key] = self._clock + 1
 
     def remove(self, key: K) -> None:
         if self._t1.pop(key, _MISSING) is _MISSING:
@@ -155,6 +171,15 @@ class ARCPolicy(EvictionPolicy[K]):
             self._b1[key] = None
         elif self._t2.pop(key, _MISSING) is not _MISSING:
             self._b2[key] = None
+
+    def recency_order(self) -> Iterator[K]:
+        """The resident keys, least recently used first (O(n))."""
+        return by_recency(self._t1, self._t2)
+
+    def least_recent(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
+        """Remove and return up to ``n`` evictable resident keys, least recently used first,
+        as an LRU cache of the same keys would (no ghosts: ARC did not choose them)."""
+        return least_recent(self._t1, self._t2, n, can_evict)
 
     def evict_one(self) -> K:
         """``evict(1, lambda key: True)[0]`` without the lists: the one victim of a cache
@@ -230,3 +255,5 @@ class ARCPolicy(EvictionPolicy[K]):
         lists = (self._t1, self._t2, self._b1, self._b2)
         union = set().union(*lists)
         assert len(union) == t1 + t2 + b1 + b2, "ARC lists are not disjoint"
+        check_use_order(self._t1, "T1")
+        check_use_order(self._t2, "T2")

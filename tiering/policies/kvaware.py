@@ -22,7 +22,9 @@ Why this shape (measured with ``tiering sweep``; see ``docs/policies.md``):
   it). Victims come from protected while it exceeds its target, otherwise from
   probation (falling back to the other list when one has no evictable key).
 
-Ghost lists hold keys only, ``probation_ghosts x capacity`` and
+Each resident key's value is the stamp of its last use (one counter over both
+lists), so :meth:`KVAwarePolicy.least_recent` can merge them into the resident set's
+LRU order. Ghost lists hold keys only, ``probation_ghosts x capacity`` and
 ``protected_ghosts x capacity`` of them (defaults 1.0 each). Every operation is
 O(1) (plus the pinned keys ``evict`` skips).
 
@@ -39,6 +41,7 @@ from itertools import chain
 from typing import NamedTuple
 
 from tiering.policies.base import EvictionPolicy, K
+from tiering.policies.recency import by_recency, check_use_order, least_recent
 
 _MISSING = object()
 
@@ -88,8 +91,10 @@ class KVAwarePolicy(EvictionPolicy[K]):
                 or not 0 <= value <= 64
             ):
                 raise ValueError(f"{name} must be a number in [0, 64], got {value!r}")
-        self._probation: OrderedDict[K, None] = OrderedDict()
-        self._protected: OrderedDict[K, None] = OrderedDict()
+        # Resident lists: key -> stamp of its last use. Ghosts: key -> None.
+        self._probation: OrderedDict[K, int] = OrderedDict()
+        self._protected: OrderedDict[K, int] = OrderedDict()
+        self._clock = 0
         self._probation_ghosts: OrderedDict[K, None] = OrderedDict()
         self._protected_ghosts: OrderedDict[K, None] = OrderedDict()
         self._max_probation_ghosts = int(probation_ghosts * capacity)
@@ -128,33 +133,44 @@ class KVAwarePolicy(EvictionPolicy[K]):
         if len(probation) + len(protected) >= capacity:
             raise ValueError(f"cannot insert {key!r}: {capacity} keys resident, evict first")
         b1, b2 = self._probation_ghosts, self._protected_ghosts
+        self._clock = stamp = self._clock + 1
         if key in b1:
             # Evicted from probation before its second use: probation was too small.
             self._target = max(0.0, self._target - max(1.0, len(b2) / len(b1)))
             del b1[key]
-            protected[key] = None
+            protected[key] = stamp
         elif key in b2:
             # Evicted from protection and wanted again: protection was too small.
             self._target = min(float(capacity), self._target + max(1.0, len(b1) / len(b2)))
             del b2[key]
-            protected[key] = None
+            protected[key] = stamp
         else:
-            probation[key] = None
+            probation[key] = stamp
 
     def access(self, key: K) -> None:
+        self.use(key)
+
+    def use(self, key: K) -> bool:
+        """``access(key)``, answering whether ``key`` is resident (one lookup for both)."""
         protected = self._protected
         if key in protected:
             protected.move_to_end(key)
-        elif self._probation.pop(key, _MISSING) is not _MISSING:
-            protected[key] = None  # a second use
+        elif self._probation.pop(key, _MISSING) is _MISSING:
+            return False
+        # A use in protection, or a second use: protected from now on.
+        self._clock = protected[key] = self._clock + 1
+        return True
 
     def refresh(self, key: K) -> None:
         """Make resident ``key`` the most recent of its list without counting a use
         (a key on probation stays there). Ignored when ``key`` is not resident."""
-        if key in self._protected:
-            self._protected.move_to_end(key)
-        elif key in self._probation:
-            self._probation.move_to_end(key)
+        probation, protected = self._probation, self._protected
+        if key in protected:
+            protected.move_to_end(key)
+            self._clock = protected[key] = self._clock + 1
+        elif key in probation:
+            probation.move_to_end(key)
+            self._clock = probation[key] = self._clock + 1
 
     def remove(self, key: K) -> None:
         if self._probation.pop(key, _MISSING) is _MISSING:
@@ -200,10 +216,19 @@ class KVAwarePolicy(EvictionPolicy[K]):
         self._retire(from_protected, protected, self._protected_ghosts, self._max_protected_ghosts)
         return victims
 
+    def recency_order(self) -> Iterator[K]:
+        """The resident keys, least recently used first (O(n))."""
+        return by_recency(self._probation, self._protected)
+
+    def least_recent(self, n: int, can_evict: Callable[[K], bool]) -> list[K]:
+        """Remove and return up to ``n`` evictable resident keys, least recently used first,
+        as an LRU cache of the same keys would (no ghosts: this policy did not choose them)."""
+        return least_recent(self._probation, self._protected, n, can_evict)
+
     @staticmethod
     def _retire(
         keys: list[K],
-        resident: OrderedDict[K, None],
+        resident: OrderedDict[K, int],
         ghosts: OrderedDict[K, None],
         max_ghosts: int,
     ) -> None:
@@ -233,3 +258,5 @@ class KVAwarePolicy(EvictionPolicy[K]):
         lists = (self._probation, self._protected, self._probation_ghosts, self._protected_ghosts)
         union = set().union(*lists)
         assert len(union) == probation + protected + b1 + b2, "the lists are not disjoint"
+        check_use_order(self._probation, "probation")
+        check_use_order(self._protected, "protected")
