@@ -182,10 +182,8 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
                     self._shadows_filled()
             order[key] = None
         shadow = self._shadow_reuse
-        hit_reuse = key in shadow
-        if hit_reuse:
-            shadow.access(key)
-        else:
+        hit_reuse = shadow.use(key)  # a hit counts its use
+        if not hit_reuse:
             if len(shadow) >= shadow.capacity:
                 gone = self._shadow_evict()
                 if guided and gone in resident:
