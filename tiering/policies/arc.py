@@ -41,7 +41,7 @@ from itertools import chain
 from typing import Literal, NamedTuple
 
 from tiering.policies.base import EvictionPolicy, K
-from tiering.policies.recency import by_recency, check_use_order, least_recent
+from tiering.policies.recency import by_recency, check_use_order, least_recent, restamp
 
 ARCList = Literal["T1", "T2", "B1", "B2"]
 
@@ -152,13 +152,9 @@ class ARCPolicy(EvictionPolicy[K]):
         again): the key is as safe from eviction as a just-used one, but a key seen
         once stays in ``T1``. Ignored when ``key`` is not resident.
         """
-        t1, t2 = self._t1, self._t2
-        if key in t2:
-            t2.move_to_end(key)
-            self._clock = t2[key] = self._clock + 1
-        elif key in t1:
-            t1.move_to_end(key)
-            self._clock = t1[key] = self._clock + 1
+        stamp = self._clock + 1
+        if restamp(key, (self._t2, self._t1), stamp):
+            self._clock = stamp
 
     def remove(self, key: K) -> None:
         if self._t1.pop(key, _MISSING) is _MISSING:

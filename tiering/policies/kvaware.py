@@ -41,7 +41,7 @@ from itertools import chain
 from typing import NamedTuple
 
 from tiering.policies.base import EvictionPolicy, K
-from tiering.policies.recency import by_recency, check_use_order, least_recent
+from tiering.policies.recency import by_recency, check_use_order, least_recent, restamp
 
 _MISSING = object()
 
@@ -164,13 +164,9 @@ class KVAwarePolicy(EvictionPolicy[K]):
     def refresh(self, key: K) -> None:
         """Make resident ``key`` the most recent of its list without counting a use
         (a key on probation stays there). Ignored when ``key`` is not resident."""
-        probation, protected = self._probation, self._protected
-        if key in protected:
-            protected.move_to_end(key)
-            self._clock = protected[key] = self._clock + 1
-        elif key in probation:
-            probation.move_to_end(key)
-            self._clock = probation[key] = self._clock + 1
+        stamp = self._clock + 1
+        if restamp(key, (self._protected, self._probation), stamp):
+            self._clock = stamp
 
     def remove(self, key: K) -> None:
         if self._probation.pop(key, _MISSING) is _MISSING:

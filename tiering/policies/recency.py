@@ -54,6 +54,17 @@ def least_recent(
     return victims
 
 
+def restamp(key: K, lists: tuple[OrderedDict[K, int], ...], stamp: int) -> bool:
+    """Move ``key`` to the end of the first of ``lists`` holding it, stamped ``stamp``;
+    whether one did (a refresh: the most recent use, in the list it is in)."""
+    for resident in lists:
+        if key in resident:
+            resident.move_to_end(key)
+            resident[key] = stamp
+            return True
+    return False
+
+
 def by_recency(first: OrderedDict[K, int], second: OrderedDict[K, int]) -> Iterator[K]:
     """Both lists' keys, least recent use first (O(n); introspection and tests)."""
     return (key for key, _ in heapq.merge(first.items(), second.items(), key=_STAMP))
