@@ -31,18 +31,25 @@ Verdict lines (against the same run's figures): dropped blocks equal in
 ``stats()`` and Prometheus, no refused offload uncounted, throttled step p99
 <= 1.25x of steps alone and of the same steps with the tier between them.
 
-Run: ``.venv/bin/python benchmarks/backpressure.py [--steps 3000] [--smoke]``.
+How the scheduler waits for the GPU (``--gpu-wait``): ``sleep`` (the default) idles the
+core, so every step starts with its data out of the caches; ``spin`` waits as vLLM 0.33's
+engine core waits for its workers, ``os.sched_yield()`` in a loop (its shared-memory
+``MessageQueue`` reader busy-loops so for 1 s after each read), which keeps the core
+awake and releases the GIL at every call.
+
+Run: ``.venv/bin/python benchmarks/backpressure.py [--steps 3000] [--gpu-wait spin] [--smoke]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,18 @@ from tiers.memory import MemoryTier
 
 BLOCK_BYTES = 64 * KIB
 P99_TARGET = 1.25
+
+
+def spin_wait(seconds: float) -> None:
+    """Wait as vLLM's engine core waits for its workers: ``os.sched_yield()`` until the
+    deadline (the core stays awake; each call releases the GIL)."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        os.sched_yield()
+
+
+#: ``--gpu-wait``: how the scheduler thread spends the GPU's time between steps.
+GPU_WAITS: dict[str, Callable[[float], None]] = {"sleep": time.sleep, "spin": spin_wait}
 
 
 class ThrottledMemoryTier(MemoryTier):
@@ -113,6 +132,7 @@ def run(
     primary_blocks: int,
     gpu_s: float,
     pinned_fraction: float = 0.25,
+    gpu_wait: Callable[[float], None] = time.sleep,
 ) -> RunFigures:
     rng = random.Random(seed)
     primary = CPUPrimaryTier(primary_blocks, BLOCK_BYTES)
@@ -168,7 +188,7 @@ def run(
         elapsed = time.perf_counter() - t0
         step_times.append(elapsed)
         waits.append(max(0.0, elapsed - (time.thread_time() - cpu0)))
-        time.sleep(gpu_s)  # the model computes; the tier's loop thread works meanwhile
+        gpu_wait(gpu_s)  # the model computes; the tier's loop thread works meanwhile
     wall = time.perf_counter() - start
     manager.publish_metrics()
     published = manager.stats()
@@ -207,6 +227,13 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--primary-blocks", type=int, default=512)
     parser.add_argument("--gpu-ms", type=float, default=2.0, help="GPU time per step (sleep)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--gpu-wait",
+        choices=sorted(GPU_WAITS),
+        default="sleep",
+        help="how the scheduler waits for the GPU: sleep (idle core) or spin (sched_yield, "
+        "as vLLM's engine core waits for its workers)",
+    )
     parser.add_argument("--smoke", action="store_true", help="a few seconds: 300 steps")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -218,6 +245,7 @@ def main(argv: Any = None) -> int:
         "seed": args.seed,
         "primary_blocks": args.primary_blocks,
         "gpu_s": args.gpu_ms / 1e3,
+        "gpu_wait": GPU_WAITS[args.gpu_wait],
     }
     alone = run("steps alone", None, **common)
     # What the engine stores per second with no tier to hit in: the offered bandwidth.
@@ -243,7 +271,8 @@ def main(argv: Any = None) -> int:
         sys.setswitchinterval(interval)
     print(
         f"workload: {args.steps} steps, 2 requests x 8 blocks of {BLOCK_BYTES // KIB} KiB per "
-        f"step, CPU tier {args.primary_blocks} blocks, {args.gpu_ms} ms GPU time per step; "
+        f"step, CPU tier {args.primary_blocks} blocks, {args.gpu_ms} ms GPU time per step "
+        f"({args.gpu_wait}); "
         f"offered store bandwidth {offered_bps / 1e6:.1f} MB/s, throttle "
         f"{offered_bps / 4e6:.1f} MB/s"
     )

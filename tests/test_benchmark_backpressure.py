@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,3 +32,17 @@ def test_the_backpressure_benchmark_counts_every_dropped_block() -> None:
     rows = [line.lstrip() for line in proc.stdout.splitlines()]
     assert any(row.startswith("throttled ") for row in rows)
     assert any(row.startswith("throttled, tier between steps ") for row in rows)
+
+
+def test_each_step_waits_for_the_gpu_once_as_the_chosen_wait_does() -> None:
+    from benchmarks import backpressure
+
+    waits: list[float] = []
+    backpressure.run(
+        "steps alone", None, steps=12, seed=0, primary_blocks=16, gpu_s=0.001, gpu_wait=waits.append
+    )
+    assert waits == [0.001] * 12
+    assert backpressure.GPU_WAITS["sleep"] is time.sleep
+    start = time.perf_counter()
+    backpressure.spin_wait(0.002)
+    assert time.perf_counter() - start >= 0.002
