@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tiering
+from tiering.core import specs
 from tiering.core.contract import OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from tiering.core.errors import (
     BlockNotFound,
@@ -21,7 +23,12 @@ from tiering.core.errors import (
 )
 from tiering.core.jobs import JobMetadata, JobResult
 from tiering.core.keys import NO_CONTEXT, ReqContext, make_offload_key, split_offload_key
-from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, as_block_ids
+from tiering.core.specs import (
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    as_block_ids,
+    trusted_block_ids,
+)
 
 # -- keys -------------------------------------------------------------------------------------
 
@@ -122,6 +129,30 @@ def test_validated_block_ids_pass_through_and_anything_else_is_checked() -> None
     assert as_block_ids(copy) is not copy  # read-only, but not validated here
     with pytest.raises(ValueError, match="WRITEABLE"):
         ids.flags.writeable = True  # so what was validated stays valid
+
+
+def test_rows_a_tier_owns_are_frozen_and_pass_through_unchecked_again() -> None:
+    spec = CPULoadStoreSpec.of_own_rows([4, 0, 7])
+    assert type(spec) is CPULoadStoreSpec and spec.medium() == "CPU" and len(spec) == 3
+    ids = spec.block_ids
+    assert ids.dtype == np.int64 and ids.tolist() == [4, 0, 7]
+    assert as_block_ids(ids) is ids  # into a job as it is
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        ids.flags.writeable = True
+    assert trusted_block_ids([]).tolist() == []
+
+
+def test_the_validated_registry_forgets_dead_arrays_and_never_matches_another() -> None:
+    before = len(specs._VALIDATED)
+    for i in range(5000):  # each dies at once: the prunes keep the registry bounded
+        as_block_ids([i])
+    assert len(specs._VALIDATED) < max(1024, 2 * before + 2)
+    other = as_block_ids([0])  # validated and alive
+    stranger = np.array([-1], dtype=np.int64)  # read-only but never validated
+    stranger.flags.writeable = False
+    specs._VALIDATED[id(stranger)] = weakref.ref(other)  # an entry under its id: not it
+    with pytest.raises(ValueError, match="non-negative"):
+        as_block_ids(stranger)
 
 
 def test_gpu_spec_groups_and_indices() -> None:

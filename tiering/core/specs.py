@@ -6,6 +6,7 @@ import itertools
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -13,10 +14,15 @@ import numpy.typing as npt
 BlockIds = npt.NDArray[np.int64]
 
 
-#: Arrays this module validated and froze, by id (an entry dies with its array).
-#: Passing one on again (a spec's ids into a job) costs a lookup, not a copy
-#: and a re-validation (0.3 us instead of about 2 us per call).
-_VALIDATED: weakref.WeakValueDictionary[int, BlockIds] = weakref.WeakValueDictionary()
+#: Arrays this module validated and froze: ``id(array) -> weakref.ref(array)``. Passing
+#: one on again (a spec's ids into a job) costs a lookup, not a copy and a re-validation
+#: (0.3 us instead of about 2 us per call). A plain dict of plain references, not a
+#: ``WeakValueDictionary``: registering costs 0.1 us instead of 0.6 (no callback per
+#: array). An entry outlives its array until the next prune; a dead entry, or one whose
+#: id a new array reuses, never matches (its reference answers None, or another object).
+_VALIDATED: dict[int, weakref.ref[BlockIds]] = {}
+#: The next prune of dead entries is due once the registry holds this many.
+_prune_at = 1024
 
 
 def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_ids") -> BlockIds:
@@ -28,7 +34,7 @@ def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_id
     strings would otherwise be silently truncated or parsed).
     """
     if type(block_ids) is np.ndarray:
-        if not block_ids.flags.writeable and _VALIDATED.get(id(block_ids)) is block_ids:
+        if not block_ids.flags.writeable and _is_validated(block_ids):
             return block_ids
         if block_ids.dtype == _INT64 and block_ids.ndim == 1 and block_ids.size <= _SMALL:
             # A fresh row array (the scheduler's per-request case): Python's min over a
@@ -64,15 +70,32 @@ _SMALL = 64
 _INT64 = np.dtype(np.int64)
 
 
+def trusted_block_ids(block_ids: list[int]) -> BlockIds:
+    """:func:`as_block_ids` of ints the caller owns and knows valid (non-negative, within
+    int64: a tier's own rows), without checking them again: 1.3 us instead of 3.4 for 8
+    ids, on the scheduler's path of every ``prepare_store`` / ``prepare_load``."""
+    return _freeze(np.array(block_ids, dtype=np.int64))
+
+
 def _freeze(arr: BlockIds) -> BlockIds:
     """``arr`` (owned here) made read-only and remembered as validated."""
+    global _prune_at
     arr.flags.writeable = False
-    # A read-only view of a read-only array: numpy refuses to make it writable
-    # again, so a validated array stays what was validated.
+    # A view of a read-only array is read-only, and numpy refuses to make it writable
+    # again (its base is not), so a validated array stays what was validated.
     frozen = arr.view()
-    frozen.flags.writeable = False
-    _VALIDATED[id(frozen)] = frozen
+    registry = _VALIDATED
+    registry[id(frozen)] = weakref.ref(frozen)
+    if len(registry) >= _prune_at:
+        for key in [key for key, ref in registry.items() if ref() is None]:
+            del registry[key]
+        _prune_at = max(1024, 2 * len(registry))  # amortized O(1) per registration
     return frozen
+
+
+def _is_validated(arr: BlockIds) -> bool:
+    ref = _VALIDATED.get(id(arr))
+    return ref is not None and ref() is arr
 
 
 class LoadStoreSpec(ABC):
@@ -99,6 +122,13 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
 
 class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
     """Rows of the CPU primary tier's host buffer."""
+
+    @classmethod
+    def of_own_rows(cls, block_ids: list[int]) -> Self:
+        """The spec of rows its caller owns (:func:`trusted_block_ids`: not checked again)."""
+        spec = cls.__new__(cls)
+        spec.block_ids = trusted_block_ids(block_ids)
+        return spec
 
     @staticmethod
     def medium() -> str:

@@ -15,10 +15,9 @@ tier's backlog holding a primary row.
 
 from __future__ import annotations
 
-import numpy as np
-
 from tiering.core.jobs import JobMetadata, JobResult
 from tiering.core.keys import OffloadKey, ReqContext
+from tiering.core.specs import BlockIds, trusted_block_ids
 from tiering.manager.cascade import CascadeMixin
 from tiering.manager.state import MAX_BACKOFF_KEYS, Job, JobKind, StagedBatch, block_ids_of
 
@@ -88,8 +87,10 @@ class PromotionMixin(CascadeMixin):
             while batches:
                 self._submit_promotion(position, batches.pop(0))
 
-    def _reserve(self, keys: list[OffloadKey], req_context: ReqContext) -> dict[OffloadKey, int]:
-        """Reserve primary rows for a batch: ``{key: row}`` for the keys that got one."""
+    def _reserve(
+        self, keys: list[OffloadKey], req_context: ReqContext
+    ) -> tuple[tuple[OffloadKey, ...], BlockIds]:
+        """Reserve primary rows for a batch: the keys that got one, and their rows."""
         primary = self._primary
         if primary.num_free() < len(keys):
             # An eviction decision: first collect finished jobs, whose cascade pins may be
@@ -98,49 +99,44 @@ class PromotionMixin(CascadeMixin):
             self._protect_step_hits()
         output = primary.prepare_store(keys, req_context)
         if output is not None:
-            outputs = [output]
-        else:
-            # Room shrank since the lookups (the engine pinned blocks): as many as fit.
-            outputs = []
-            for key in keys:
-                single = primary.prepare_store((key,), req_context)
-                if single is None:
-                    break
-                outputs.append(single)
-        rows: dict[OffloadKey, int] = {}
-        for out in outputs:
-            if out.evicted_keys:
-                self._primary_counters.evictions += len(out.evicted_keys)
-            rows.update(zip(out.keys_to_store, block_ids_of(out.store_spec).tolist(), strict=True))
-        return rows
+            if output.evicted_keys:
+                self._primary_counters.evictions += len(output.evicted_keys)
+            # The spec's rows are a validated array already: the job takes it as it is.
+            return tuple(output.keys_to_store), block_ids_of(output.store_spec)
+        # Room shrank since the lookups (the engine pinned blocks): as many as fit.
+        got: list[OffloadKey] = []
+        rows: list[int] = []
+        for key in keys:
+            single = primary.prepare_store((key,), req_context)
+            if single is None:
+                break
+            if single.evicted_keys:
+                self._primary_counters.evictions += len(single.evicted_keys)
+            got.extend(single.keys_to_store)
+            rows.extend(block_ids_of(single.store_spec).tolist())
+        return tuple(got), trusted_block_ids(rows)
 
     def _submit_promotion(self, position: int, batch: StagedBatch) -> None:
         self._num_staged -= len(batch.keys)
         try:
-            rows = self._reserve(batch.keys, batch.req_context)
+            keys, rows = self._reserve(batch.keys, batch.req_context)
         except Exception:
             self._internal_error("reserving primary blocks for a promotion")
-            rows = {}
-        if len(rows) < len(batch.keys):
+            keys, rows = (), trusted_block_ids([])
+        if len(keys) < len(batch.keys):
+            reserved = set(keys)
             for key in batch.keys:
-                if key not in rows:
+                if key not in reserved:
                     del self._promoting[key]
                     self._no_room += 1
-            if not rows:
+            if not keys:
                 return
-        keys = tuple(rows)
         job_id = next(self._job_ids)
         job = Job(JobKind.PROMOTION, position, keys, batch.req_context, self._clock())
         # The rows are held until the result: counted for back-pressure, released there.
         self._in_flight[position].started(job_id, len(keys), job.submitted_at)
         try:
-            metadata = JobMetadata(
-                job_id,
-                keys,
-                np.fromiter(rows.values(), np.int64, len(rows)),
-                True,
-                batch.req_context,
-            )
+            metadata = JobMetadata(job_id, keys, rows, True, batch.req_context)
             self._jobs[job_id] = job
             self._tier_counters[position].jobs_in_flight += 1
             self._tiers[position].submit_load(metadata)

@@ -189,7 +189,7 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         pins = self._load_pins
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
-        return CPULoadStoreSpec(block_ids)
+        return CPULoadStoreSpec.of_own_rows(block_ids)
 
     def touch(self, keys: Sequence[OffloadKey], req_context: ReqContext) -> None:
         """Record a use of the ready keys; unknown or storing keys are ignored.
@@ -280,7 +280,9 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
                 (key, RequestContext(request, positions[key], _group(key))) for key in to_store
             )
         return PrepareStoreOutput(
-            keys_to_store=to_store, store_spec=CPULoadStoreSpec(block_ids), evicted_keys=evicted
+            keys_to_store=to_store,
+            store_spec=CPULoadStoreSpec.of_own_rows(block_ids),
+            evicted_keys=evicted,
         )
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
