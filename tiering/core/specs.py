@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import struct
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Self
 
 import numpy as np
@@ -51,8 +52,8 @@ def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_id
         if block_ids and min(block_ids) < 0:
             raise ValueError(f"{what} must be non-negative, got {min(block_ids)}")
         try:
-            return _freeze(np.array(block_ids, dtype=np.int64))
-        except OverflowError:
+            return _frozen_small(block_ids)
+        except struct.error:
             pass  # an int beyond int64: the general path names it
     raw = np.asarray(block_ids)
     if raw.size and raw.dtype.kind not in "iu":
@@ -72,18 +73,40 @@ _INT64 = np.dtype(np.int64)
 
 def trusted_block_ids(block_ids: list[int]) -> BlockIds:
     """:func:`as_block_ids` of ints the caller owns and knows valid (non-negative, within
-    int64: a tier's own rows), without checking them again: 1.3 us instead of 3.4 for 8
+    int64: a tier's own rows), without checking them again: 0.6 us instead of 3.4 for 8
     ids, on the scheduler's path of every ``prepare_store`` / ``prepare_load``."""
+    if len(block_ids) <= _SMALL:
+        return _frozen_small(block_ids)
     return _freeze(np.array(block_ids, dtype=np.int64))
+
+
+#: ``struct.Struct(f"={n}q").pack`` by ``n`` (at most ``_SMALL`` + 1 of them).
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _frozen_small(block_ids: Sequence[int]) -> BlockIds:
+    """At most ``_SMALL`` ints as a validated array over an immutable ``bytes``: read-only
+    from birth, and numpy refuses to make it writable (its memory is the bytes object's).
+    One numpy call instead of three (array, flag, view): the scheduler's small specs are
+    built in a step whose caches are cold, where each numpy call costs several times its
+    warm price. ``struct.error`` for an int beyond int64."""
+    count = len(block_ids)
+    pack = _PACKERS.get(count)
+    if pack is None:
+        pack = _PACKERS[count] = struct.Struct(f"={count}q").pack
+    return _register(np.frombuffer(pack(*block_ids), np.int64))
 
 
 def _freeze(arr: BlockIds) -> BlockIds:
     """``arr`` (owned here) made read-only and remembered as validated."""
-    global _prune_at
     arr.flags.writeable = False
     # A view of a read-only array is read-only, and numpy refuses to make it writable
     # again (its base is not), so a validated array stays what was validated.
-    frozen = arr.view()
+    return _register(arr.view())
+
+
+def _register(frozen: BlockIds) -> BlockIds:
+    global _prune_at
     registry = _VALIDATED
     registry[id(frozen)] = weakref.ref(frozen)
     if len(registry) >= _prune_at:
