@@ -98,8 +98,17 @@ def test_block_ids_are_frozen_int64_copies() -> None:
         ([1.5], TypeError, "must be integers"),
         ([True, False], TypeError, "must be integers"),
         (["1"], TypeError, "must be integers"),
-        ([2**70], TypeError, "must be integers"),  # beyond int64
-        ((1, 2**70), TypeError, "must be integers"),
+        (
+            [2**70],
+            ValueError,
+            "must fit in a signed 64-bit integer, got 1180591620717411303424",
+        ),  # > int64
+        ((1, 2**70), ValueError, "must fit in a signed 64-bit integer"),
+        ([1, 2**63], ValueError, "must fit in a signed 64-bit integer"),  # numpy: float64
+        ([2**63], ValueError, "must fit in a signed 64-bit integer"),  # numpy: uint64
+        ([*range(70), 2**63], ValueError, "must fit in a signed 64-bit integer"),
+        ([3, -(2**64)], ValueError, "non-negative, got -18446744073709551616"),
+        (np.array([2**63], dtype=np.uint64), ValueError, "must fit in a signed 64-bit integer"),
         (np.array([3, -1], dtype=np.int64), ValueError, "non-negative"),
         (np.array([[1]], dtype=np.int64), ValueError, "one-dimensional"),
     ],
@@ -255,10 +264,10 @@ def test_package_exports_the_contract_without_torch() -> None:
 def test_block_ids_of_any_int_list_are_those_ints_or_an_error(values: list[int]) -> None:
     """The small-input fast paths answer as the general path does, on either side of 64 ids."""
     if any(v < 0 or v >= 2**63 for v in values):
-        with pytest.raises((ValueError, TypeError)):
-            as_block_ids(values)
-        with pytest.raises((ValueError, TypeError)):
-            as_block_ids(tuple(values))
+        # Named as what it is: negative, or beyond int64 (never "not integers", never wrapped).
+        for form in (values, tuple(values)):
+            with pytest.raises(ValueError, match=r"non-negative|fit in a signed 64-bit integer"):
+                as_block_ids(form)
         return
     for form in (values, tuple(values), np.array(values, dtype=np.int64)):
         assert as_block_ids(form).tolist() == values

@@ -7,7 +7,7 @@ import struct
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +56,10 @@ def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_id
         except struct.error:
             pass  # an int beyond int64: the general path names it
     raw = np.asarray(block_ids)
-    if raw.size and raw.dtype.kind not in "iu":
+    if raw.size and (
+        raw.dtype.kind not in "iu" or (raw.dtype.kind == "u" and int(raw.max()) > _INT64_MAX)
+    ):
+        _raise_out_of_range(block_ids, raw, what)
         raise TypeError(f"{what} must be integers, got dtype {raw.dtype}")
     arr = raw.astype(np.int64, copy=True)
     if arr.ndim != 1:
@@ -69,6 +72,18 @@ def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_id
 #: Inputs up to this many ids take the fast paths of :func:`as_block_ids`.
 _SMALL = 64
 _INT64 = np.dtype(np.int64)
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _raise_out_of_range(block_ids: object, raw: npt.NDArray[Any], what: str) -> None:
+    """Name an integer id beyond int64 as such: numpy reads such lists as uint64, float64
+    or objects, which would otherwise read as "not integers" or wrap negative."""
+    if raw.dtype.kind == "u":
+        raise ValueError(f"{what} must fit in a signed 64-bit integer, got {int(raw.max())}")
+    if isinstance(block_ids, (list, tuple)) and all(type(i) is int for i in block_ids):
+        if min(block_ids) < 0:
+            raise ValueError(f"{what} must be non-negative, got {min(block_ids)}")
+        raise ValueError(f"{what} must fit in a signed 64-bit integer, got {max(block_ids)}")
 
 
 def trusted_block_ids(block_ids: list[int]) -> BlockIds:
