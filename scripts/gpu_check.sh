@@ -6,7 +6,9 @@
 # interpreter with --no-deps (plus the wheels `make gpu-wheels` put in .whl/, carried
 # along: pytest-asyncio), then runs
 #   1. the CUDA engine's tests (tests/test_copy_cuda*.py; the cuda-parametrised ones
-#      run on the GPU, the simulated ones too) and the scripts' smoke tests;
+#      run on the GPU, the simulated ones too) and the scripts' smoke tests, under
+#      coverage where the interpreter has it (the real device's module is measured
+#      only here);
 #   2. benchmarks/gpu_copy.py: our engine per strategy against pinned cudaMemcpyAsync
 #      and vLLM's CPUOffloadingWorker (where vLLM imports);
 #   3. scripts/gpu_soak.py: a byte-exact soak of 3,000 random jobs;
@@ -66,10 +68,27 @@ EOF
 
 # -- 1. tests ------------------------------------------------------------------------
 say "== tests"
-"$PY" -m pytest -q -p no:cacheprovider -rs tests/test_copy_cuda.py tests/test_copy_cuda_faults.py \
+# Under coverage where the interpreter has it: CI's cuda-coverage leaves out the real
+# device (torch_device.py), which only runs here, so this is where its lines are counted.
+COV_RC="$DEST/coverage.rc"
+RUNNER=(-m pytest)
+if "$PY" -c "import coverage" 2>/dev/null; then
+  printf '[run]\nsource = tiering/copy/cuda\ndata_file = %s\n' "$DEST/.coverage" > "$COV_RC"
+  RUNNER=(-m coverage run --rcfile="$COV_RC" -m pytest)
+fi
+"$PY" "${RUNNER[@]}" -q -p no:cacheprovider -rs tests/test_copy_cuda.py tests/test_copy_cuda_faults.py \
   tests/test_copy_cuda_machine.py tests/test_copy_cuda_batch.py tests/test_gpu_check_scripts.py 2>&1 | tee -a "$LOG"
 TEST_RC=${PIPESTATUS[0]}
 TEST_LINE=$(grep -E ' in [0-9.]+s( \(.*\))?( =+)?$' "$LOG" | tail -1)
+COV_LINE="not measured ($PY has no coverage module)"
+if [ -f "$DEST/.coverage" ]; then
+  cov_total() { "$PY" -m coverage report --rcfile="$COV_RC" --format=total "$@" 2>>"$LOG"; }
+  DEVICE_COV=$(cov_total --include='*/torch_device.py') || DEVICE_COV="?"
+  ENGINE_COV=$(cov_total) || ENGINE_COV="?"
+  "$PY" -m coverage report --rcfile="$COV_RC" --show-missing >>"$LOG" 2>&1
+  COV_LINE="torch_device.py ${DEVICE_COV}% on this device, tiering/copy/cuda/ ${ENGINE_COV}% (missing lines: the log)"
+  rm -f "$DEST/.coverage" "$COV_RC"
+fi
 
 # -- 2. benchmark --------------------------------------------------------------------
 say "== benchmark"
@@ -105,6 +124,7 @@ say "date:       $(date -u +%Y-%m-%d) ($(( $(date +%s) - START )) s), commit $CO
 say "sources:    $(bash scripts/gpu_check_sources.sh)"
 say "install:    $INSTALL"
 say "tests:      $(status "$TEST_RC"): ${TEST_LINE:-no summary line}"
+say "coverage:   $COV_LINE"
 say "benchmark:  $(status "$BENCH_RC"); targets missed: $BELOW"
 VERDICTS=$(grep '^verdict: ' "$LOG" || true)
 while IFS= read -r line; do [ -n "$line" ] && say "            $line"; done <<<"$VERDICTS"
