@@ -203,6 +203,69 @@ def test_a_copy_that_raises_when_enqueued_fails_its_job_only(
         kv.close()
 
 
+def test_host_work_that_raises_fails_its_job_only_and_enqueues_nothing(
+    rig: SimulatedRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tiering.copy.cuda import engine as cuda_engine
+
+    kv = KVRig(rig, TWO_GROUPS, strategy="dma")
+    real_runs, calls = cuda_engine.dma_runs, []
+
+    def runs_failing_first(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise MemoryError("no room for the byte runs")
+        return real_runs(*args)
+
+    try:
+        before = kv.host.as_numpy().copy()
+        monkeypatch.setattr(cuda_engine, "dma_runs", runs_failing_first)
+        assert kv.worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([1, 2]))
+        (failed,) = wait_all(kv.worker, [1])
+        assert not failed.success and failed.error == "MemoryError: no room for the byte runs"
+        assert np.array_equal(kv.host.as_numpy(), before)  # nothing of job 1 was copied
+        round_trip(kv, seed=7)  # the lane goes on
+    finally:
+        kv.close()
+
+
+def test_a_jobs_start_event_is_recorded_after_its_host_work(
+    rig: SimulatedRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transfer_time, timed by the start and end events, leaves the submission's Python out."""
+    from tiering.copy.cuda import engine as cuda_engine
+
+    kv = KVRig(rig, TWO_GROUPS, strategy="dma")
+    order: list[str] = []
+    real_runs, real_new_event = cuda_engine.dma_runs, rig.sim.new_event
+
+    def logged_runs(*args: Any) -> Any:
+        order.append("runs")
+        return real_runs(*args)
+
+    def logged_event() -> Any:
+        event = real_new_event()
+        real_record = event.record
+
+        def record(stream: Any = None) -> None:
+            order.append("record")
+            real_record(stream)
+
+        event.record = record  # type: ignore[method-assign]
+        return event
+
+    try:
+        monkeypatch.setattr(cuda_engine, "dma_runs", logged_runs)
+        monkeypatch.setattr(rig.sim, "new_event", logged_event)
+        assert kv.worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([1, 2]))
+        (result,) = wait_all(kv.worker, [1])
+        assert result.success
+        # Two tensors: both entries' runs, then the start event, then (after the copies) the end.
+        assert order == ["runs", "runs", "record", "record"]
+    finally:
+        kv.close()
+
+
 def test_a_copy_that_fails_on_the_device_fails_the_jobs_after_it(rig: SimulatedRig) -> None:
     kv = KVRig(rig, TWO_GROUPS, strategy="dma")
     try:

@@ -20,7 +20,20 @@ import torch
 
 from tiering.copy.cuda.device import CudaDevice
 from tiering.copy.layout import KVLayout
-from tiering.copy.plan import BlockCopies, byte_runs
+from tiering.copy.plan import BlockCopies, Offsets, byte_runs
+
+#: Byte runs of one entry: source starts, destination starts, lengths.
+Runs = tuple[Offsets, Offsets, Offsets]
+
+
+def dma_runs(
+    entry: BlockCopies, layout: KVLayout, gpu_rows: torch.Tensor, gpu_to_cpu: bool
+) -> Runs:
+    """The byte runs :func:`dma_copy` copies for ``entry`` (host work only, no device call)."""
+    gpu_off = entry.gpu_offsets(gpu_rows.stride(0))
+    cpu_off = entry.cpu_offsets(layout)
+    src_off, dst_off = (gpu_off, cpu_off) if gpu_to_cpu else (cpu_off, gpu_off)
+    return byte_runs(src_off, dst_off, entry.nbytes)
 
 
 def dma_copy(
@@ -32,19 +45,16 @@ def dma_copy(
     host_flat: torch.Tensor,
     gpu_to_cpu: bool,
     host_pinned: bool = False,
+    runs: Runs | None = None,
 ) -> None:
     """Enqueue one copy per run of adjacent blocks of ``entry`` (in one call where batched).
 
     ``gpu_flat`` / ``host_flat`` are 1-D byte views of the KV tensor and of the
-    primary buffer (asynchronous when the host is pinned: ``host_pinned``).
+    primary buffer (asynchronous when the host is pinned: ``host_pinned``);
+    ``runs`` are :func:`dma_runs`' answer where the caller computed them already.
     """
-    gpu_off = entry.gpu_offsets(gpu_rows.stride(0))
-    cpu_off = entry.cpu_offsets(layout)
-    if gpu_to_cpu:
-        src, dst, src_off, dst_off = gpu_flat, host_flat, gpu_off, cpu_off
-    else:
-        src, dst, src_off, dst_off = host_flat, gpu_flat, cpu_off, gpu_off
-    starts_s, starts_d, lengths = byte_runs(src_off, dst_off, entry.nbytes)
+    src, dst = (gpu_flat, host_flat) if gpu_to_cpu else (host_flat, gpu_flat)
+    starts_s, starts_d, lengths = runs or dma_runs(entry, layout, gpu_rows, gpu_to_cpu)
     device.copy_runs_async(dst, src, starts_d, starts_s, lengths, host_pinned=host_pinned)
 
 
