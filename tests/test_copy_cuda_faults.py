@@ -206,10 +206,10 @@ def test_a_copy_that_raises_when_enqueued_fails_its_job_only(
 def test_host_work_that_raises_fails_its_job_only_and_enqueues_nothing(
     rig: SimulatedRig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tiering.copy.cuda import engine as cuda_engine
+    from tiering.copy.cuda import copies as cuda_copies
 
     kv = KVRig(rig, TWO_GROUPS, strategy="dma")
-    real_runs, calls = cuda_engine.dma_runs, []
+    real_runs, calls = cuda_copies.dma_runs, []
 
     def runs_failing_first(*args: Any) -> Any:
         calls.append(args)
@@ -219,7 +219,7 @@ def test_host_work_that_raises_fails_its_job_only_and_enqueues_nothing(
 
     try:
         before = kv.host.as_numpy().copy()
-        monkeypatch.setattr(cuda_engine, "dma_runs", runs_failing_first)
+        monkeypatch.setattr(cuda_copies, "dma_runs", runs_failing_first)
         assert kv.worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([1, 2]))
         (failed,) = wait_all(kv.worker, [1])
         assert not failed.success and failed.error == "MemoryError: no room for the byte runs"
@@ -233,11 +233,11 @@ def test_a_jobs_start_event_is_recorded_after_its_host_work(
     rig: SimulatedRig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """transfer_time, timed by the start and end events, leaves the submission's Python out."""
-    from tiering.copy.cuda import engine as cuda_engine
+    from tiering.copy.cuda import copies as cuda_copies
 
     kv = KVRig(rig, TWO_GROUPS, strategy="dma")
     order: list[str] = []
-    real_runs, real_new_event = cuda_engine.dma_runs, rig.sim.new_event
+    real_runs, real_new_event = cuda_copies.dma_runs, rig.sim.new_event
 
     def logged_runs(*args: Any) -> Any:
         order.append("runs")
@@ -255,7 +255,7 @@ def test_a_jobs_start_event_is_recorded_after_its_host_work(
         return event
 
     try:
-        monkeypatch.setattr(cuda_engine, "dma_runs", logged_runs)
+        monkeypatch.setattr(cuda_copies, "dma_runs", logged_runs)
         monkeypatch.setattr(rig.sim, "new_event", logged_event)
         assert kv.worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([1, 2]))
         (result,) = wait_all(kv.worker, [1])

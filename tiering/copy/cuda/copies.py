@@ -1,7 +1,8 @@
 """How a job's bytes move on a device: DMA runs and gather/scatter kernels.
 
-Both functions only enqueue work on the device's current stream (see
-:meth:`~tiering.copy.cuda.device.CudaDevice.on_stream`); neither waits.
+Both copy functions only enqueue work on the device's current stream (see
+:meth:`~tiering.copy.cuda.device.CudaDevice.on_stream`); neither waits. Their
+host-side work (:func:`prepare_copies`) is done first, before a job's start event.
 
 * :func:`dma_copy`: one copy per run of adjacent blocks on the GPU's copy
   engines (no SM is used), all runs of a tensor in one ``cudaMemcpyBatchAsync``
@@ -16,11 +17,15 @@ Both functions only enqueue work on the device's current stream (see
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from tiering.copy.cuda.device import CudaDevice
 from tiering.copy.layout import KVLayout
-from tiering.copy.plan import BlockCopies, Offsets, byte_runs
+from tiering.copy.plan import BlockCopies, Offsets, TransferPlan, byte_runs
 
 #: Byte runs of one entry: source starts, destination starts, lengths.
 Runs = tuple[Offsets, Offsets, Offsets]
@@ -56,6 +61,40 @@ def dma_copy(
     src, dst = (gpu_flat, host_flat) if gpu_to_cpu else (host_flat, gpu_flat)
     starts_s, starts_d, lengths = runs or dma_runs(entry, layout, gpu_rows, gpu_to_cpu)
     device.copy_runs_async(dst, src, starts_d, starts_s, lengths, host_pinned=host_pinned)
+
+
+class PreparedCopies(NamedTuple):
+    """A job's host-side work (:func:`prepare_copies`), done before its start event."""
+
+    #: Byte runs of each DMA entry, by ``id(entry)``.
+    runs: dict[int, Runs]
+    #: The entries copied by kernels, and all their block ids in one array (None if none).
+    kernel_entries: list[BlockCopies]
+    host_idx: Offsets | None
+
+
+def prepare_copies(
+    plan: TransferPlan,
+    layout: KVLayout,
+    gpu_rows: Sequence[torch.Tensor],
+    uses_kernel: Callable[[BlockCopies], bool],
+) -> PreparedCopies:
+    """The host side of ``plan``: each DMA entry's byte runs and the kernels' index array."""
+    to_cpu = plan.lane.gpu_to_cpu
+    runs: dict[int, Runs] = {}
+    kernel_entries: list[BlockCopies] = []
+    for e in plan.copies:
+        if uses_kernel(e):
+            kernel_entries.append(e)
+        else:
+            runs[id(e)] = dma_runs(e, layout, gpu_rows[e.tensor_idx], to_cpu)
+    host_idx = None
+    if kernel_entries:
+        # One staging array and one host-to-device copy for every index of the job.
+        host_idx = np.concatenate(
+            [np.concatenate((e.gpu_blocks, e.cpu_blocks, e.cpu_subblocks)) for e in kernel_entries]
+        )
+    return PreparedCopies(runs, kernel_entries, host_idx)
 
 
 def kernel_copy(

@@ -48,19 +48,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from tiering.copy.arrays import host_rows
 from tiering.copy.cuda.copies import (
-    Runs,
+    PreparedCopies,
     dma_copy,
-    dma_runs,
     flat_bytes,
     gpu_block_rows,
     kernel_copy,
+    prepare_copies,
 )
 from tiering.copy.cuda.device import CudaDevice, DeviceEvent
 from tiering.copy.engine import CopyEngine, CopyJob, CopyOutcome
@@ -166,16 +166,6 @@ def default_device(tensors: Sequence[Any]) -> CudaDevice:
     from tiering.copy.cuda.torch_device import TorchCudaDevice
 
     return TorchCudaDevice(first.device)
-
-
-class _Prepared(NamedTuple):
-    """A job's host-side work, done before its start event is recorded."""
-
-    #: Byte runs of each DMA entry, by ``id(entry)``.
-    runs: dict[int, Runs]
-    #: The entries copied by kernels, and their block ids in one array (None if none).
-    kernel_entries: list[BlockCopies]
-    host_idx: np.ndarray[Any, np.dtype[np.int64]] | None
 
 
 class CudaCopyEngine(CopyEngine):
@@ -339,7 +329,7 @@ class CudaCopyEngine(CopyEngine):
             try:
                 # Host work first, so the start event (and transfer_time) leaves it out:
                 # on an H200 it was about 12 % of a 64 MiB job's event-timed figure.
-                prepared = self._prepare(plan)
+                prepared = prepare_copies(plan, self.layout, self._gpu, self.uses_kernel)
             except Exception as exc:  # nothing enqueued: the job fails at once
                 prepared, error = None, f"{type(exc).__name__}: {exc}"
             start.record(stream)
@@ -355,31 +345,10 @@ class CudaCopyEngine(CopyEngine):
         self._in_flight.append(job)
         return job
 
-    def _prepare(self, plan: TransferPlan) -> _Prepared:
-        """The host side of ``plan``: DMA byte runs and the kernels' index array."""
-        to_cpu = plan.lane.gpu_to_cpu
-        runs = {}
-        kernel_entries = []
-        for e in plan.copies:
-            if self.uses_kernel(e):
-                kernel_entries.append(e)
-            else:
-                runs[id(e)] = dma_runs(e, self.layout, self._gpu[e.tensor_idx], to_cpu)
-        host_idx = None
-        if kernel_entries:
-            # One staging array and one host-to-device copy for every index of the job.
-            host_idx = np.concatenate(
-                [
-                    np.concatenate((e.gpu_blocks, e.cpu_blocks, e.cpu_subblocks))
-                    for e in kernel_entries
-                ]
-            )
-        return _Prepared(runs, kernel_entries, host_idx)
-
     def _enqueue(
-        self, plan: TransferPlan, prepared: _Prepared, keepalive: list[torch.Tensor]
+        self, plan: TransferPlan, prepared: PreparedCopies, keepalive: list[torch.Tensor]
     ) -> None:
-        """Enqueue ``plan``'s copies on the current stream (``prepared`` by :meth:`_prepare`)."""
+        """Enqueue ``plan``'s copies on the current stream (``prepared`` beforehand)."""
         device = self.device
         to_cpu = plan.lane.gpu_to_cpu
         indices: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
