@@ -57,6 +57,7 @@ def test_the_gpu_benchmark_prints_its_rows_and_verdicts(
             assert (f"ours/{strategy}", shape, "load") in engines
     measured = [r for r in data["rows"] if r["engine"].startswith("ours/")]
     assert all(r["gbps"] > 0 and r["ceiling_gbps"] > 0 for r in measured)
+    assert all(r["pipelined_gbps"] > 0 for r in measured)  # the jobs-in-flight column
     # One ceiling verdict per direction at 2 MiB, one peer verdict per shape and direction.
     assert sum("of pinned cudaMemcpyAsync" in v for v in data["verdicts"]) == 2
     assert sum("vs vLLM's worker" in v for v in data["verdicts"]) == 8
