@@ -111,9 +111,12 @@ def prepare_root(
             logger.warning("fs tier: %s: journal: %s", cfg.root_dir, problem)
         slabs = SlabFiles(root, geometry, cfg.direct_io, cfg.preallocate)
         slabs.open_existing()
-        backed = slabs.backed_slots
-        first = geometry.slots_per_slab if slabs.created_first else 0  # slab 0 was missing
-        entries = {k: v for k, v in result.entries.items() if first <= v[0] < backed}
+        backed, per_slab, lost = slabs.backed_slots, geometry.slots_per_slab, slabs.recreated
+        entries = {
+            k: v
+            for k, v in result.entries.items()
+            if v[0] < backed and v[0] // per_slab not in lost
+        }
         dropped = len(result.entries) - len(entries)
         if dropped:
             notes.append(

@@ -32,12 +32,13 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from tiering.core.errors import BlockNotFound, CorruptBlock
+from tiering.core.errors import BlockNotFound, CorruptBlock, TierClosedError
 from tiering.core.keys import OffloadKey
 from tiers.fs.config import FsTierConfig
 from tiers.fs.errors import TierFullError
 from tiers.fs.lifecycle import stop_open_state
 from tiers.fs.placement import place, root_seed
+from tiers.fs.records import encode_del
 from tiers.fs.state import FsTierStats, OpenState, notify_room
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,15 @@ class NoRootInServiceError(OSError):
 
     def __init__(self, roots: int) -> None:
         super().__init__(errno.EIO, f"fs tier: none of its {roots} root_dirs is in service")
+
+
+class RootTakenOutError(OSError):
+    """A store whose root was taken out of service while it ran: not stored there."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            errno.EIO, f"fs tier: root_dir {path!r} was taken out of service during the store"
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -122,6 +132,44 @@ class RootSet:
                 return root
         return None
 
+    def states_of(self, key: OffloadKey) -> list[OpenState]:
+        """The open state of every root in service holding ``key`` (one, once duplicates
+        are dropped)."""
+        return [r.state for r in self.roots if r.state is not None and key in r.state.index]
+
+    def drop_duplicates(self) -> int:
+        """Keep each key on the first root holding it (at open); how many copies were dropped.
+
+        A root that left ``root_dirs`` and is listed again comes back with its
+        blocks, some of which may have been stored again elsewhere meanwhile. A
+        key is its block's content, so any copy serves the same bytes; the
+        others would only make deletes, counts and evictions disagree.
+        """
+        seen: set[OffloadKey] = set()
+        dropped = 0
+        for root in self.roots:
+            state = root.state
+            if state is None:
+                continue
+            held = state.index.keys()
+            copies = [k for k in held if k in seen]
+            if copies:
+                seq = state.journal.next_seq
+                for k in copies:
+                    state.index.remove(k, seq)
+                state.journal.append(encode_del(copies, state.seed), retry=True)
+                notify_room(state)
+                dropped += len(copies)
+            seen.update(state.index.keys())
+        if dropped:
+            note = (
+                f"{dropped} blocks held by two roots (a root listed again after others "
+                "stored them) were kept on one only"
+            )
+            self._stats.notes.append(note)
+            logger.warning("fs tier %s: %s", self._name(), note)
+        return dropped
+
     def destination(self, key: OffloadKey) -> Root | None:
         """Where a store of ``key`` goes: the root holding it, else the best live root."""
         root = self.holder(key)
@@ -138,12 +186,18 @@ class RootSet:
         root: Root,
         run: Callable[[OpenState], Awaitable[dict[bytes, BaseException]]],
         keys: Sequence[OffloadKey],
+        *,
+        stores: bool = False,
     ) -> dict[bytes, BaseException]:
         """``run`` on ``root``'s state; its errors by key, and the root's health updated.
 
-        An exception ``run`` raises (a store refused by the deletion watch)
-        becomes the error of every key. Cancellation: propagates once ``run``
-        has returned (it waits for I/O already in the kernel).
+        An exception ``run`` raises (a store refused by the deletion watch, a
+        store waiting for room on a root taken out) becomes the error of every
+        key. With ``stores``, a root taken out of service while ``run`` ran
+        fails every key (:class:`RootTakenOutError`): its blocks were reported
+        removed, so one acknowledged there would be lost without a word.
+        Cancellation: propagates once ``run`` has returned (it waits for I/O
+        already in the kernel).
         """
         state = root.state
         if state is None:
@@ -155,10 +209,17 @@ class RootSet:
                 errors = await run(state)
             except OSError as exc:
                 errors = {key: exc for key in keys}
+            except TierClosedError:
+                if root.out_reason is None:  # the tier itself is closing
+                    raise
+                errors = {key: RootTakenOutError(root.path) for key in keys}
         finally:
             root.busy -= 1
             if root.busy == 0:
                 root.idle.set()
+        if stores and root.state is not state:
+            taken_out = RootTakenOutError(root.path)
+            errors = {key: errors.get(key, taken_out) for key in keys}
         self._account(root, state, keys, errors)
         return errors
 
@@ -200,7 +261,7 @@ class RootSet:
         stats = self._stats
         stats.root_failures += 1
         stats.roots_out_of_service += 1
-        stats.capacity_slots -= state.geometry.capacity_slots
+        stats.capacity_slots -= state.index.capacity_slots  # lowered if its disk filled
         keys = list(state.index.keys())
         logger.log(
             level,
@@ -251,7 +312,7 @@ class RootSet:
         stats = self._stats
         stats.roots_out_of_service -= 1
         stats.root_returns += 1
-        stats.capacity_slots += state.geometry.capacity_slots
+        stats.capacity_slots += state.index.capacity_slots
         logger.warning(
             "fs tier %s: root_dir %r is back in service (empty); %d of %d roots serve",
             self._name(),

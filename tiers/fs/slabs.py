@@ -43,7 +43,9 @@ class SlabFiles:
         self.backed_slots = 0
         self._dirty: set[int] = set()
         self._retired: list[int] = []  # descriptors of deleted slabs, closed with the others
-        self.created_first = False  # open_existing created slab 0 (it was missing)
+        #: Slabs open_existing created because they were missing (deleted while the tier
+        #: was closed): the journal's entries for their slots name bytes that are gone.
+        self.recreated: set[int] = set()
         self._grow_lock = asyncio.Lock()
 
     # -- opening (blocking: run in a worker thread) ----------------------------------------
@@ -70,12 +72,23 @@ class SlabFiles:
             finally:
                 os.close(fd)
         self.direct = self._decide_direct()
+        last = max((i for i, _ in on_disk if i < geometry.num_slabs), default=0)
         for index in range(geometry.num_slabs):
             name = slab_name(index)
             try:
                 fd = self._open(name)
             except FileNotFoundError:
-                break
+                if index > last:
+                    break
+                # Deleted while the tier was closed, with later slabs intact: made again,
+                # empty, so that only its own blocks are lost.
+                fd = self._open(name, create=True)
+                try:
+                    self._allocate(fd, geometry.slab_size(index))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self.recreated.add(index)
             self._fds.append(fd)
             size = os.fstat(fd).st_size
             self._sizes.append(size)
@@ -90,7 +103,8 @@ class SlabFiles:
         name = slab_name(0)
         # Slab 0 must exist to probe; it is needed anyway. If it was missing (deleted while
         # the tier was closed), the entries the journal has for it name bytes that are gone.
-        self.created_first = not self._root.exists(name)
+        if not self._root.exists(name):
+            self.recreated.add(0)
         fd = self._root.open_file(name, os.O_RDWR, create=True)
         try:
             self._allocate(fd, self.geometry.slab_size(0))

@@ -39,7 +39,7 @@ async def read_striped(
             errors[key] = BlockNotFound(key)
         else:
             groups.setdefault(root, []).append(i)
-    for found in await _on_roots(roots, groups, keys, into, read_blocks):
+    for found in await _on_roots(roots, groups, keys, into, read_blocks, stores=False):
         errors.update(found)
     return errors
 
@@ -50,6 +50,8 @@ async def write_striped(
     """Store ``data`` as ``keys``' blocks, each on its destination root; the errors by key."""
     if len(keys) != len(data):
         raise ValueError(f"{len(keys)} keys but {len(data)} buffers")
+    if len(set(keys)) != len(keys):
+        raise ValueError("a write batch names the same key twice")
     pending = list(range(len(keys)))
     errors: Errors = {}
     for _ in range(2):  # the second round only for blocks of a root taken out in the first
@@ -61,13 +63,14 @@ async def write_striped(
                 round_errors[keys[i]] = NoRootInServiceError(len(roots.roots))
             else:
                 groups.setdefault(root, []).append(i)
-        for found in await _on_roots(roots, groups, keys, data, write_blocks):
+        states = {root: root.state for root in groups}
+        for found in await _on_roots(roots, groups, keys, data, write_blocks, stores=True):
             round_errors.update(found)
         errors.update(round_errors)
-        retry = [
+        retry = [  # the failed blocks of roots taken out of service meanwhile
             i
             for root, positions in groups.items()
-            if root.state is None
+            if root.state is not states[root]
             for i in positions
             if keys[i] in round_errors
         ]
@@ -85,11 +88,15 @@ async def _on_roots(
     keys: Sequence[OffloadKey],
     views: Sequence[memoryview],
     run: _RootPath,
+    *,
+    stores: bool,
 ) -> list[Errors]:
     """``run`` on each root's share of the batch, the roots at once; each one's errors.
 
-    Cancellation: every root's call is cancelled, and this returns only once
-    each has returned (no buffer is used after it).
+    An exception of one root's call cancels the others and is raised as it
+    is (not in an ``ExceptionGroup``) once they have returned. Cancellation:
+    every root's call is cancelled, and this returns only once each has
+    returned (no buffer is used after it).
     """
     calls = []
     for root, positions in groups.items():
@@ -103,9 +110,15 @@ async def _on_roots(
         ) -> Awaitable[Errors]:
             return run(state, share, share_views)
 
-        calls.append(roots.call(root, on_state, share))
+        calls.append(roots.call(root, on_state, share, stores=stores))
     if len(calls) == 1:
         return [await calls[0]]
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(call) for call in calls]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(call) for call in calls]
+    except BaseExceptionGroup as failed:
+        first = failed.exceptions[0]
+        if len(failed.exceptions) == 1 and isinstance(first, Exception):
+            raise first from None  # its own type, as a tier of one root raises it
+        raise
     return [task.result() for task in tasks]

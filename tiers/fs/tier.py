@@ -138,11 +138,15 @@ class FileSystemTier(AsyncTier):
         await super().open(context)
         cfg = self.config
         roots = self._roots.roots
-        geometries = [plan_geometry(root.config, context.block_bytes) for root in roots]
-        results = await asyncio.gather(
-            *(self._prepare(r.config, g) for r, g in zip(roots, geometries, strict=True)),
-            return_exceptions=True,
-        )
+
+        async def prepare(root: Root) -> Prepared:
+            # Inside each root's own attempt: sizing by capacity_blocks reads the free space
+            # of its drive, which fails like any other I/O on a dead one.
+            geometry = plan_geometry(root.config, context.block_bytes)
+            root.weight = float(geometry.capacity_slots)
+            return await self._prepare(root.config, geometry)
+
+        results = await asyncio.gather(*(prepare(r) for r in roots), return_exceptions=True)
         opened = [(r, p) for r, p in zip(roots, results, strict=True) if isinstance(p, Prepared)]
         failed = [
             (r, e) for r, e in zip(roots, results, strict=True) if isinstance(e, BaseException)
@@ -152,8 +156,6 @@ class FileSystemTier(AsyncTier):
             for _, prepared in opened:
                 prepared.close()
             raise (fatal or [e for _, e in failed])[0]
-        for root, geometry in zip(roots, geometries, strict=True):
-            root.weight = float(geometry.capacity_slots)
         try:
             for root, prepared in opened:
                 root.state = self._start(root, prepared)
@@ -168,6 +170,8 @@ class FileSystemTier(AsyncTier):
         self._open_state = roots[0].state if not cfg.striped else None
         self.stats.io_backend = opened[0][0].state.backend.name  # type: ignore[union-attr]
         record_open(self.stats, cfg, self.context.name, [p for _, p in opened])
+        if cfg.striped:
+            self._roots.drop_duplicates()
         self._is_open = True
         if cfg.striped:
             self._watching = asyncio.get_running_loop().create_task(
@@ -226,8 +230,8 @@ class FileSystemTier(AsyncTier):
         if not probe or self._closed:
             return
         for root in roots.waiting_for_probe():
-            geometry = plan_geometry(root.config, self.context.block_bytes)
             try:  # its blocks were reported removed: it comes back empty
+                geometry = plan_geometry(root.config, self.context.block_bytes)
                 prepared = await self._prepare(
                     root.config, geometry, forget_blocks=True, must_exist=True
                 )
@@ -237,6 +241,7 @@ class FileSystemTier(AsyncTier):
             if self.closed:  # aclose ran while the root was being opened
                 prepared.close()
                 return
+            root.weight = float(geometry.capacity_slots)
             try:
                 state = self._start(root, prepared)
             except BaseException:
@@ -372,20 +377,15 @@ class FileSystemTier(AsyncTier):
         Cancellation: the block is already gone from lookups; the record is
         still written.
         """
-        if not self.config.striped:
-            state = self._state()
-        else:
-            root = self._check_open().holder(key)
-            if root is None:
-                return
-            state = root.state  # type: ignore[assignment]
-        if key not in state.index:
-            return
-        seq = state.journal.next_seq
-        state.index.remove(key, seq)
-        state.journal.append(encode_del([key], state.seed), retry=True)
-        notify_room(state)
-        await state.journal.wait_durable(seq)
+        # Striped: every root holding it (one, once open dropped the duplicates).
+        held = [self._state()] if not self.config.striped else self._check_open().states_of(key)
+        pending = [(state, state.journal.next_seq) for state in held if key in state.index]
+        for state, seq in pending:
+            state.index.remove(key, seq)
+            state.journal.append(encode_del([key], state.seed), retry=True)
+            notify_room(state)
+        for state, seq in pending:
+            await state.journal.wait_durable(seq)
 
     # -- reads --------------------------------------------------------------------------
 

@@ -206,8 +206,10 @@ async def _back_slots(state: OpenState, blocks: list[Block]) -> None:
                 backed,
                 exc,
             )
+            before = state.index.capacity_slots
             state.index.limit_capacity(backed)
-            state.stats.capacity_slots = state.index.capacity_slots
+            # The tier's figure sums every root's: take off what this one lost.
+            state.stats.capacity_slots -= before - state.index.capacity_slots
         for block in blocks:
             if block.slot >= backed:
                 block.error = exc
