@@ -247,3 +247,34 @@ def test_an_isolated_tier_hands_a_due_collection_to_its_collector_thread(
     finally:
         host.close()
         host.unlink()
+
+
+def test_hand_offs_on_two_threads_at_once_leave_the_thresholds_as_they_were() -> None:
+    """Two tiers' loop threads collecting at once, with a GIL switch every microsecond:
+    neither may save the other's lowered threshold and restore it for good."""
+    import sys
+    import time
+
+    class Allocation:
+        pass
+
+    before = gc.get_threshold()
+    interval = sys.getswitchinterval()
+    stop = time.monotonic() + 2.0
+
+    def collector() -> None:
+        while time.monotonic() < stop:
+            kept = [Allocation() for _ in range(400)]  # past a quarter of the threshold
+            collect_young_generation()
+            del kept
+
+    threads = [threading.Thread(target=collector) for _ in range(2)]
+    sys.setswitchinterval(1e-6)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert gc.get_threshold() == before

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Collection, Sequence
+import time
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from tiering.core.jobs import JobResult
 from tiering.core.keys import OffloadKey
@@ -135,20 +136,26 @@ class AsyncTierManager(SchedulerSide):
         if gc_handoff:
             self._offer_collection = self._post_collection
         self._thread = LoopThread(f"tier-{self.name}", hold_seconds(max_gil_hold_ms))
-        self._service = TierService(
-            tier,
-            name=self.name,
-            flat_view=self._flat,
-            block_bytes=self.block_bytes,
-            job_timeout_s=self.job_timeout_s,
-            cancel_grace_s=float(cancel_grace_s),
-            shared_absent_ttl_s=float(shared_absent_ttl_s),
-            shared_present_ttl_s=float(shared_present_ttl_s),
-            shared_max_known_keys=shared_max_known_keys,
-            max_events=max_events,
-            verify=not tier.verifies_reads if verify is None else verify,
-        )
-        self._mailbox = Mailbox(self._thread.loop)
+        try:  # the thread runs from here: anything that fails must join it
+            self._service = TierService(
+                tier,
+                name=self.name,
+                flat_view=self._flat,
+                block_bytes=self.block_bytes,
+                job_timeout_s=self.job_timeout_s,
+                cancel_grace_s=float(cancel_grace_s),
+                shared_absent_ttl_s=float(shared_absent_ttl_s),
+                shared_present_ttl_s=float(shared_present_ttl_s),
+                shared_max_known_keys=shared_max_known_keys,
+                max_events=max_events,
+                verify=not tier.verifies_reads if verify is None else verify,
+            )
+            self._mailbox = Mailbox(self._thread.loop)
+        except BaseException:
+            self._closed = True
+            self._thread.close(self.shutdown_timeout_s)
+            self._flat.release()
+            raise
         context = TierContext(self.block_bytes, layout_fingerprint, self.name)
         try:
             if self.cpus is not None:  # before the tier opens: the threads it starts inherit it
@@ -158,15 +165,10 @@ class AsyncTierManager(SchedulerSide):
         except BaseException:
             self._closed = True
             try:
-                self._thread.call(
-                    self._service.close_tier_only,
-                    self.shutdown_timeout_s,
-                    timeout=self.shutdown_timeout_s + 1.0,
-                )
+                self._stop(self._service.close_tier_only, self.shutdown_timeout_s)
             except BaseException:
                 logger.exception("tier %s: closing after a failed open failed", self.name)
             finally:
-                self._thread.close(self.shutdown_timeout_s)
                 self._mailbox.close()
                 self._flat.release()
             raise
@@ -225,12 +227,23 @@ class AsyncTierManager(SchedulerSide):
 
     def _close_backend(self, budget_s: float) -> None:
         try:
-            self._thread.call(self._service.aclose, budget_s * 0.8, timeout=budget_s)
+            self._stop(self._service.aclose, budget_s)
         except BaseException:
             logger.exception("tier %s: shutting down the tier failed", self.name)
         finally:
-            self._thread.close(max(1.0, budget_s * 0.2))
             self._mailbox.close()
+
+    def _stop(self, close_tier: Callable[[float], Awaitable[None]], budget_s: float) -> None:
+        """Close the tier on its loop, then the loop thread, within ``budget_s`` in all.
+
+        Bounded even when the tier wedged its loop (the thread is then left as a
+        daemon, with an error logged). Raises what closing the tier raised.
+        """
+        deadline = time.monotonic() + budget_s
+        try:
+            self._thread.call(close_tier, budget_s * 0.8, timeout=budget_s * 0.85)
+        finally:
+            self._thread.close(max(0.05, deadline - time.monotonic()))
 
 
 def _collect_young_generation(_: None) -> None:

@@ -1,15 +1,16 @@
 """A named thread running one event loop under anyio's blocking portal, and the ways in.
 
-The thread, its loop and the blocking control calls are
-``anyio.from_thread.start_blocking_portal()``: the portal starts the named
-thread and runs the loop (``anyio.run`` on the asyncio backend), and
-:meth:`LoopThread.call` is the portal's ``start_task_soon`` (the coroutine
-runs in the portal's task group; its exception is re-raised with its own
-type; cancelling the future cancels it). This module adds only what a tier
+The thread and its loop are ``anyio.from_thread.start_blocking_portal()``:
+the portal starts the named thread and runs the loop (``anyio.run`` on the
+asyncio backend). :meth:`LoopThread.call` runs a coroutine there as the
+portal's ``start_task_soon`` would (its exception re-raised with its own type;
+cancelling the future cancels it), but hands it over with
+``asyncio.run_coroutine_threadsafe``, which never waits for the loop: the
+portal's spawn does, without a bound. This module adds only what a tier
 runtime needs on top:
 
-* a **deadline** on :meth:`LoopThread.call` (at ``timeout`` the call is
-  cancelled through the portal and ``TimeoutError`` raised);
+* a **deadline** on :meth:`LoopThread.call` that holds even when the loop is
+  wedged (at ``timeout`` the call is cancelled and ``TimeoutError`` raised);
 * the project's error types: :class:`WrongThreadError` (a blocking call from
   the loop thread itself, refused instead of deadlocking; the portal's own
   refusal is a bare ``RuntimeError``) and
@@ -124,16 +125,19 @@ class LoopThread:
 
         The coroutine's exception is re-raised with its own type. After
         ``timeout`` seconds the coroutine is cancelled and ``TimeoutError``
-        raised (the deadline starts once the loop has accepted the call, one
-        round trip). Raises :class:`WrongThreadError` on the loop thread and
+        raised, also when the loop is wedged and never starts it: the call is
+        handed over with ``asyncio.run_coroutine_threadsafe``, which does not
+        wait, because the portal's ``start_task_soon`` first waits for the
+        loop without a bound (a tier blocking its loop would hang the engine's
+        shutdown). Raises :class:`WrongThreadError` on the loop thread and
         :class:`~tiering.core.errors.TierClosedError` once closed.
         """
         self._check_callable_from_here("call")
-        future = self._portal.start_task_soon(fn, *args)
+        future = asyncio.run_coroutine_threadsafe(_awaited(fn, *args), self._loop)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
-            future.cancel()  # the portal cancels the coroutine's scope on the loop
+            future.cancel()  # cancels the coroutine's task on the loop
             raise TimeoutError(
                 f"{getattr(fn, '__qualname__', fn)!s} did not finish within {timeout} s "
                 f"on event-loop thread {self.name!r}"
@@ -253,3 +257,8 @@ def _anyio_workers_of(loop: asyncio.AbstractEventLoop) -> Generator[threading.Th
     for thread in threading.enumerate():
         if getattr(thread, "loop", None) is loop and thread is not threading.current_thread():
             yield thread
+
+
+async def _awaited(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``fn(*args)`` awaited (``fn`` may return any awaitable, as the portal allowed)."""
+    return await fn(*args)

@@ -66,10 +66,19 @@ def collect_young_generation() -> None:
     Should another thread allocate in that window, the collection runs there, as
     it would have without a hand-off.
     Gives up after :data:`_MAX_BALLAST` allocations, should something else switch
-    collection off meanwhile.
+    collection off meanwhile. One thread at a time (a second returns at once):
+    two interleaved would save and restore each other's lowered threshold, and
+    leave a collection on every allocation of the process for good.
     """
-    if not young_collection_due():
+    if not young_collection_due() or not _THRESHOLD_LOCK.acquire(blocking=False):
         return
+    try:
+        _collect_with_lowered_threshold()
+    finally:
+        _THRESHOLD_LOCK.release()
+
+
+def _collect_with_lowered_threshold() -> None:
     thresholds = gc.get_threshold()
     count = gc.get_count()[0]
     ballast: list[_Ballast] = []
@@ -95,6 +104,8 @@ class _Ballast:
 
 #: Most allocations :func:`collect_young_generation` makes waiting for the collection.
 _MAX_BALLAST = 64
+#: Held while the youngest generation's threshold is lowered (see collect_young_generation).
+_THRESHOLD_LOCK = threading.Lock()
 
 
 class CollectorThread:
