@@ -182,10 +182,14 @@ def test_on_this_cpu_platform_auto_is_our_host_engine() -> None:
 
 
 def test_canonical_layout_is_refused_for_our_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="copy_engine 'host' does not write canonical_layout"):
-        spec_for(OUR_SPEC, canonical_layout=True)  # a CPU platform: auto is our host engine
+    # A CPU platform: auto is our host engine, and the only fix is to drop the key
+    # (vLLM's worker, which writes canonical rows, needs a GPU).
+    refused = r"copy_engine 'auto' \(here: 'host'\) does not write"
+    with pytest.raises(ValueError, match=refused) as info:
+        spec_for(OUR_SPEC, canonical_layout=True)
+    assert "needs a GPU" in str(info.value) and "use copy_engine 'vllm'" not in str(info.value)
     monkeypatch.setattr(platform_probe, "device_kind", lambda: "cuda")
-    with pytest.raises(ValueError, match="copy_engine 'cuda' does not write canonical_layout"):
+    with pytest.raises(ValueError, match=r"copy_engine 'cuda' .*use copy_engine 'vllm'"):
         spec_for({**OUR_SPEC, "copy_engine": "cuda"}, canonical_layout=True)
 
 

@@ -65,6 +65,9 @@ def spec(extra: dict[str, Any]) -> KVTieringOffloadingSpec:
 
 def check_cpu_bytes_to_use(engine: Callable[..., Any]) -> None:
     assert spec({"cpu_bytes_to_use": "1MiB"}).num_chunks == 16
+    # Less than one block: refused naming the key (vLLM failed later: "cannot mmap an empty file").
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use=1024 is smaller than one offloaded"):
+        spec({"cpu_bytes_to_use": "1KiB"})
 
 
 def check_block_size(engine: Callable[..., Any]) -> None:
@@ -143,6 +146,14 @@ def check_backfill_earlier_tiers(engine: Callable[..., Any]) -> None:
 def check_metrics_port(engine: Callable[..., Any]) -> None:
     from tests.support.redis_server import free_port
 
+    # Validated as our spec does, and refused where no tier of ours would serve them.
+    with pytest.raises(ConfigError, match="metrics_host must be a host name"):
+        engine({"metrics_port": 0, "metrics_host": 123})
+    with pytest.raises(ConfigError, match="metrics_host is set but metrics_port is not"):
+        engine({"metrics_host": "127.0.0.1"})
+    with pytest.raises(ConfigError, match="metrics_port has no effect: only kv-tiering's tiers"):
+        spec({"metrics_port": 0})
+
     port = free_port()
     engine({"metrics_port": port, "metrics_host": "127.0.0.1"})
     server = running_metrics_server(port)
@@ -160,6 +171,13 @@ def check_cascade_max_pinned_fraction(engine: Callable[..., Any]) -> None:
     assert isinstance(detector, PinnedShareDetector) and detector.budget_blocks == 8
     with pytest.raises(ConfigError, match="cascade_max_pinned_fraction must be a number in"):
         engine({"cascade_max_pinned_fraction": 2})
+    with pytest.raises(ConfigError, match="cascade_max_pinned_fraction has no effect"):
+        spec({"cascade_max_pinned_fraction": 0.5})  # no tier of ours
+
+
+def test_a_misspelled_key_is_named_under_vllm_too(caplog: pytest.LogCaptureFixture) -> None:
+    spec({"cpu_bytes_to_use": "1MiB", "failed_promotion_backof_s": 3})
+    assert "did you mean 'failed_promotion_backoff_s'?" in caplog.text
 
 
 CHECKS: dict[str, Callable[[Callable[..., Any]], None]] = {

@@ -565,3 +565,9 @@ def test_root_dirs_stripe_our_fs_tier_through_vllms_factory(
     round_trip(driver, keys)
     held = {root.path: len(root.state.index) for root in tier._roots.in_service()}
     assert set(held) == set(roots) and sum(held.values()) == 16 and min(held.values()) > 0
+
+
+def test_enable_kv_events_must_be_a_boolean(make_manager: Any) -> None:
+    """bool("false") is True: a string must be refused, not read as events on."""
+    with pytest.raises(ConfigError, match="enable_kv_events must be true or false, got 'false'"):
+        make_manager([ours("KVTieringMemoryTier", enable_kv_events="false")])

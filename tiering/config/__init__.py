@@ -221,11 +221,13 @@ class BlockGeometry:
         return count
 
 
-def _warn_about_likely_typos(extra: Mapping[str, Any]) -> None:
+def _warn_about_likely_typos(extra: Mapping[str, Any], also_known: tuple[str, ...] = ()) -> None:
+    """A WARNING for each key that looks like a misspelling of one we read."""
+    known = (*KNOWN_KEYS, *also_known)
     for key in extra:
-        if not isinstance(key, str) or key in KNOWN_KEYS:
+        if not isinstance(key, str) or key in known:
             continue
-        close = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
         if close:
             logger.warning(
                 "kv_connector_extra_config key %s is not used by kv-tiering; did you mean %r?",
@@ -253,5 +255,8 @@ __all__ = [
     # the readers the vLLM adapter reuses (tiering/integrations/vllm/)
     "_cascade_admission",
     "_flag",
+    "_metrics_host",
+    "_metrics_port",
     "_seconds",
+    "_warn_about_likely_typos",
 ]

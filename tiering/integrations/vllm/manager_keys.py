@@ -20,6 +20,10 @@ the spec (or, under vLLM's own spec, our first tier) is built:
 ``backfill_earlier_tiers``      ``false`` is what vLLM does; ``true`` is refused:
                                 vLLM's manager does not copy a promoted block into
                                 the tiers that missed it
+
+Keys only our tiers read (``metrics_port``, ``metrics_host``,
+``cascade_max_pinned_fraction`` and the two defaults above) are validated as our
+spec validates them, and refused when ``secondary_tiers`` has none of our tiers.
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from tiering.config import _cascade_admission, _flag, _seconds
+from tiering.config import (
+    _cascade_admission,
+    _flag,
+    _metrics_host,
+    _metrics_port,
+    _seconds,
+    pinned_fraction,
+)
 from tiering.core.errors import ConfigError
 
 #: What our tiers take from the top level when their entry does not say.
@@ -36,6 +47,13 @@ TIER_DEFAULTS = {
     "shutdown_timeout_s": "shutdown_timeout_s",
     "failed_promotion_backoff_s": "failed_load_backoff_s",
 }
+#: Top-level keys that act only through our tiers (our metrics server is started by them).
+_READ_BY_OUR_TIERS = (
+    "metrics_port",
+    "metrics_host",
+    "cascade_max_pinned_fraction",
+    *TIER_DEFAULTS,
+)
 #: Keys of our manager that vLLM's cannot honour (beyond the value that is vLLM's behaviour).
 _UNDER_VLLM = "inside vLLM the scheduler side is vLLM's TieringOffloadingManager"
 
@@ -45,9 +63,21 @@ def check_manager_keys(extra: Mapping[str, Any]) -> dict[str, float]:
 
     Returns the options our tiers take from the top-level keys (validated).
     """
-    if _cascade_admission(extra) is not None and not any(
-        _is_our_tier(entry) for entry in extra.get("secondary_tiers") or ()
-    ):
+    ours = any(_is_our_tier(entry) for entry in extra.get("secondary_tiers") or ())
+    _metrics_port(extra), _metrics_host(extra), pinned_fraction(extra)  # values, as ours checks
+    defaults = {
+        option: _seconds(extra, key, 0.0, positive=key == "shutdown_timeout_s")
+        for key, option in TIER_DEFAULTS.items()
+        if extra.get(key) is not None
+    }
+    idle = [key for key in _READ_BY_OUR_TIERS if extra.get(key) is not None]
+    if idle and not ours:
+        raise ConfigError(
+            f"{idle[0]} has no effect: only kv-tiering's tiers (module_path "
+            "'tiering.integrations.vllm') read it, and there is none in secondary_tiers. "
+            "Remove the key, or add one of ours"
+        )
+    if _cascade_admission(extra) is not None and not ours:
         raise ConfigError(
             f"cascade_admission {extra['cascade_admission']!r} has no effect: {_UNDER_VLLM}, "
             "which cascades every stored block to every tier it built, and only kv-tiering's "
@@ -59,11 +89,7 @@ def check_manager_keys(extra: Mapping[str, Any]) -> dict[str, float]:
             f"backfill_earlier_tiers true has no effect: {_UNDER_VLLM}, which does not copy "
             "a promoted block into the tiers that missed it; remove the key (or use false)"
         )
-    return {
-        option: _seconds(extra, key, 0.0, positive=key == "shutdown_timeout_s")
-        for key, option in TIER_DEFAULTS.items()
-        if extra.get(key) is not None
-    }
+    return defaults
 
 
 def _is_our_tier(entry: object) -> bool:

@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 import tiering.integrations.vllm.platform as platform_probe
-from tiering.config import check_host_memory, shown
+from tiering.config import _warn_about_likely_typos, check_host_memory, shown
 from tiering.copy import CopyWorker, make_copy_worker
 from tiering.core.errors import ConfigError
 from tiering.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
@@ -224,9 +224,16 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
 
     def __init__(self, config: Any) -> None:
         super().__init__(_with_sizes_in_bytes(config))
+        chunk = int(self.kv_bytes_per_chunk)
+        if chunk and self.num_chunks < 1:  # vLLM would fail later: "cannot mmap an empty file"
+            raise ConfigError(
+                f"cpu_bytes_to_use={self.extra_config['cpu_bytes_to_use']} is smaller than one "
+                f"offloaded block ({chunk} bytes); give at least {chunk} bytes"
+            )
         # Read by vLLM when it builds its CPU primary tier (in get_manager).
         self.eviction_policy, self.cache_policy_module_path = vllm_cache_policy(self.extra_config)
         check_manager_keys(self.extra_config)  # our manager's keys: honoured or refused
+        _warn_about_likely_typos(self.extra_config, also_known=("copy_engine",))
         requested = self.extra_config.get("copy_engine", "auto")
         platform = platform_probe.device_kind()
         canonical = bool(self.config.canonical_layout)
@@ -234,9 +241,15 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
             requested, platform=platform, canonical_layout=canonical
         )
         if self.copy_engine != "vllm" and canonical:
+            fix = (
+                "use copy_engine 'vllm'"
+                if platform != "cpu"
+                else "vLLM's worker, the one that writes them, needs a GPU"
+            )
             raise ValueError(
-                f"copy_engine {self.copy_engine!r} does not write canonical_layout rows; remove "
-                "canonical_layout from kv_connector_extra_config, or use copy_engine 'vllm'"
+                f"copy_engine {requested!r} (here: {self.copy_engine!r}) does not write "
+                f"canonical_layout rows; remove canonical_layout from kv_connector_extra_config "
+                f"({fix})"
             )
         #: The row layout the worker writes (part of persistent tiers' layout fingerprint).
         self.row_layout = (

@@ -102,7 +102,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         tier: str | None = None,
         medium: str | None = None,
         locality: str | None = None,
-        enable_kv_events: bool = False,
+        enable_kv_events: object = False,  # checked below: a bool (JSON may send anything)
         failed_load_backoff_s: float | None = None,
         **options: Any,
     ) -> None:
@@ -144,7 +144,13 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         options.setdefault(
             "shutdown_timeout_s", defaults.get("shutdown_timeout_s", VLLM_SHUTDOWN_TIMEOUT_S)
         )
-        self._events_enabled = self._events_wanted(bool(enable_kv_events), where)
+        if enable_kv_events is None:  # JSON null: the default
+            enable_kv_events = False
+        if not isinstance(enable_kv_events, bool):  # bool("false") would be True
+            raise ConfigError(
+                f"{where}: enable_kv_events must be true or false, got {enable_kv_events!r}"
+            )
+        self._events_enabled = self._events_wanted(enable_kv_events, where)
         if not self._events_enabled:
             options["max_events"] = 0  # nobody takes them: do not keep any
 
