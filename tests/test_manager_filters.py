@@ -122,6 +122,47 @@ def test_kv_store_tiers_chooses_the_tiers_a_request_is_cascaded_to() -> None:
     manager.shutdown()
 
 
+def test_kv_store_tiers_holds_for_an_admission_policys_late_cascades_too() -> None:
+    """A block admitted on its reuse is cascaded in the using request's context: its filter."""
+    from tiering.policies.admission import ReuseAdmission
+
+    primary = make_primary(8)
+    far = {"type": "memory", "name": "far", "medium": "storage", "locality": "REMOTE"}
+    tiers = [create_secondary_tier(far, primary.kv_view, position=0)]
+    manager = TieringOffloadingManager(
+        primary, tiers, metrics_registry=False, cascade_admission=ReuseAdmission(8)
+    )
+    primary_only, anyone = request(kv_store_tiers=[]), request()
+    mine, shared = [key(1), key(2)], [key(3), key(4)]
+    store(manager, mine + shared, primary_only)
+    manager.touch(mine, primary_only)  # reuse admits them, but not for this request's tiers
+    settle(manager)
+    assert manager.stats().secondary[0].cascades == 0
+    manager.touch(shared, anyone)  # another request's use, without a filter: cascaded
+    settle(manager)
+    assert manager.stats().secondary[0].cascades == 2
+    manager.shutdown()
+
+
+def test_kv_store_tiers_holds_for_backfill_after_a_load() -> None:
+    """A block promoted from 'far' is backfilled into 'near' only if the request allows it."""
+    manager = build()  # backfill_earlier_tiers is on by default
+    remote_only = request(kv_store_tiers=[{"locality": "REMOTE"}])
+    store(manager, [key(1)], remote_only)
+    settle(manager)
+    evict_primary(manager)
+    near_before = manager.stats().secondary[0].cascades
+    assert source_of(manager, key(1), remote_only) == "far"
+    settle(manager)
+    assert manager.stats().secondary[0].cascades == near_before  # no backfill into near
+    evict_primary(manager, start=2000)
+    near_before = manager.stats().secondary[0].cascades
+    assert source_of(manager, key(1), request()) == "far"  # a request without a filter
+    settle(manager)
+    assert manager.stats().secondary[0].cascades == near_before + 1  # backfilled
+    manager.shutdown()
+
+
 # -- identity and events -------------------------------------------------------------------
 
 

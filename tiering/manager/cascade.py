@@ -72,6 +72,16 @@ class CascadeMixin(StatisticsMixin):
             if allowed:
                 self._cascade(allowed, (position,), NO_CONTEXT)
 
+    def _store_positions(self, positions: Iterable[int], req_context: ReqContext) -> list[int]:
+        """The tiers of ``positions`` the request's ``kv_store_tiers`` lets its blocks go to.
+
+        For the cascades made in a request's context after its store completed:
+        an admission policy's late cascade on its use, a backfill after its load.
+        """
+        store_filter = self._filters.of(req_context)[1]
+        tiers = self._tiers
+        return [p for p in positions if store_filter.allows(tiers[p].medium, tiers[p].locality)]
+
     def _behind(self, position: int, rows: int) -> bool:
         """Whether ``rows`` more would find tier ``position`` behind (back-pressure)."""
         return self._in_flight[position].behind(rows, self._cascade_budget, self._clock)

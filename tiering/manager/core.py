@@ -203,7 +203,8 @@ class TieringOffloadingManager(LoadsMixin, OffloadingManager):
             ready = self._primary.is_ready
             late = self._admission.on_use([key for key in keys if ready(key)])
             if late:
-                self._cascade(tuple(late), range(len(self._tiers)), req_context)
+                positions = self._store_positions(range(len(self._tiers)), req_context)
+                self._cascade(tuple(late), positions, req_context)
         for position, tier in enumerate(self._tiers):
             try:
                 tier.touch(keys, req_context)

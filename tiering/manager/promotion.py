@@ -183,7 +183,8 @@ class PromotionMixin(CascadeMixin):
                 while len(backoff) > MAX_BACKOFF_KEYS:
                     del backoff[next(iter(backoff))]
         if committed and self._backfill and job.tier > 0:
-            self._cascade(tuple(committed), range(job.tier), job.req_context)
+            positions = self._store_positions(range(job.tier), job.req_context)
+            self._cascade(tuple(committed), positions, job.req_context)
 
     def _drop_staged(self) -> None:
         # Staged promotions hold no primary row yet: forgetting them is enough.
