@@ -208,6 +208,8 @@ def test_entries_written_for_vllm_run_our_tiers_without_vllm(
         "capacity_blocks": 3,
         "medium": "CPU",  # what vLLM reports: meaningless outside vLLM, dropped
         "job_timeout_s": 5,
+        # vLLM's per-tier detector: our manager applies its own back-pressure instead
+        "backpressure": {"backpressure_cls": "EMABackpressureDetector"},
     }
     manager = create_secondary_tier(vllm_entry, view, position=0)
     created.append(manager)

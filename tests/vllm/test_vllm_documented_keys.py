@@ -63,6 +63,10 @@ def spec(extra: dict[str, Any]) -> KVTieringOffloadingSpec:
     return KVTieringOffloadingSpec(config)
 
 
+def test_copy_engine_null_means_the_default() -> None:
+    assert spec({"cpu_bytes_to_use": "1MiB", "copy_engine": None}).copy_engine == "host"
+
+
 def check_cpu_bytes_to_use(engine: Callable[..., Any]) -> None:
     assert spec({"cpu_bytes_to_use": "1MiB"}).num_chunks == 16
     # Less than one block: refused naming the key (vLLM failed later: "cannot mmap an empty file").

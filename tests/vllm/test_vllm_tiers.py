@@ -571,3 +571,20 @@ def test_enable_kv_events_must_be_a_boolean(make_manager: Any) -> None:
     """bool("false") is True: a string must be refused, not read as events on."""
     with pytest.raises(ConfigError, match="enable_kv_events must be true or false, got 'false'"):
         make_manager([ours("KVTieringMemoryTier", enable_kv_events="false")])
+
+
+def test_each_entry_gets_its_own_position(make_manager: Any) -> None:
+    """Names and metric labels are vllm-<type>-<position>: entries that differ only in a
+    keyword argument (medium) or not at all still get one each; errors name the right one."""
+    same = ours("KVTieringTier", tier="memory", capacity_blocks=8)
+    manager, _ = make_manager([same, {**same, "medium": "CPU"}, dict(same)])
+    names = [tier_of(manager, i)._runtime.name for i in range(3)]
+    assert names == [f"vllm-KVTieringTier-{i}" for i in range(3)]
+    fs_without_root = ours("KVTieringTier", tier="fs", capacity_blocks=8)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\] \(type 'fs'\)"):
+        make_manager([same, fs_without_root])
+
+
+def test_process_isolation_is_refused_naming_why(make_manager: Any) -> None:
+    with pytest.raises(ConfigError, match="isolation 'process' is not available inside vLLM"):
+        make_manager([ours("KVTieringMemoryTier", capacity_blocks=8, isolation="process")])

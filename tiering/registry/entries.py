@@ -94,7 +94,9 @@ def from_vllm_entry(config: Mapping[str, Any]) -> Mapping[str, Any]:
     type_name = config.get("type")
     if type_name not in _VLLM_ADAPTER_TIERS:
         return config
-    ours = {k: v for k, v in config.items() if k != "module_path"}
+    # vLLM's per-tier back-pressure detector is vLLM's: our manager applies its own
+    # (cascade_max_pinned_fraction), so the entry keeps working in `tiering replay`.
+    ours = {k: v for k, v in config.items() if k not in ("module_path", "backpressure")}
     fixed = _VLLM_ADAPTER_TIERS[type_name]
     ours["type"] = fixed if fixed is not None else ours.pop("tier", None)
     if not ours["type"]:

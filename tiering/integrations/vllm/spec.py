@@ -234,7 +234,9 @@ class KVTieringOffloadingSpec(TieringOffloadingSpec):  # type: ignore[misc]  # v
         self.eviction_policy, self.cache_policy_module_path = vllm_cache_policy(self.extra_config)
         check_manager_keys(self.extra_config)  # our manager's keys: honoured or refused
         _warn_about_likely_typos(self.extra_config, also_known=("copy_engine",))
-        requested = self.extra_config.get("copy_engine", "auto")
+        requested = self.extra_config.get("copy_engine")
+        if requested is None:  # absent, or JSON null: the default
+            requested = "auto"
         platform = platform_probe.device_kind()
         canonical = bool(self.config.canonical_layout)
         self.copy_engine = resolve_copy_engine(

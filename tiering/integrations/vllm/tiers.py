@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload.base import (
@@ -37,6 +37,7 @@ from tiering.integrations.vllm import translate
 from tiering.integrations.vllm.admission import OfferAdmission, admission_policy
 from tiering.integrations.vllm.backpressure import PinnedShareDetector
 from tiering.integrations.vllm.manager_keys import check_manager_keys
+from tiering.integrations.vllm.positions import position_in_spec
 from tiering.manager.backpressure import JobsInFlight
 from tiering.metrics.secondary import SecondaryTierExport
 from tiering.metrics.server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
@@ -108,6 +109,14 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
     ) -> None:
         extra = getattr(offloading_spec, "extra_config", None) or {}
         where = f"secondary tier {tier_type!r}"
+        given = {  # the entry's options as vLLM passed them (to find its position)
+            "tier": tier,
+            "medium": medium,
+            "locality": locality,
+            "enable_kv_events": enable_kv_events,
+            "failed_load_backoff_s": failed_load_backoff_s,
+            **options,
+        }
         # Back-pressure on by default: our rule unless the operator configured vLLM's.
         self._in_flight = JobsInFlight()
         self._pinned_share: PinnedShareDetector | None = None
@@ -140,7 +149,7 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             raise ConfigError(
                 f"{where}: locality must be 'LOCAL' or 'REMOTE', got {locality!r}"
             ) from None
-        position = _position_in_spec(offloading_spec, tier_type, options)  # options as given
+        position = position_in_spec(offloading_spec, tier_type, given)
         options.setdefault(
             "shutdown_timeout_s", defaults.get("shutdown_timeout_s", VLLM_SHUTDOWN_TIMEOUT_S)
         )
@@ -159,6 +168,13 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
         options["failed_load_backoff_s"] = failed_load_backoff_s
         config: dict[str, Any] = {"type": our_type, **options}
         config.setdefault("name", f"vllm-{tier_type}-{position}")
+        if config.get("isolation") == "process":  # the registry's remedy names no vLLM key
+            raise ConfigError(
+                f"secondary_tiers[{position}] (type {our_type!r}): isolation 'process' is not "
+                "available inside vLLM: the tier's process would have to map vLLM's CPU tier, "
+                "which is not a kv-tiering primary buffer; remove the key (the default, "
+                "'thread', runs the tier on its own loop thread)"
+            )
         block_bytes = self.block_size_bytes
         _serve_metrics(offloading_spec)  # before the runtime: a taken port leaves nothing behind
         self._runtime: AsyncTierManager = create_secondary_tier(
@@ -427,18 +443,3 @@ def _serve_metrics(offloading_spec: Any) -> None:
             check_metrics_port(port), extra.get("metrics_host") or DEFAULT_METRICS_HOST
         )
         logger.info("serving kv_tiering_* metrics at %s", served.url)
-
-
-def _position_in_spec(offloading_spec: Any, tier_type: str, options: Mapping[str, Any]) -> int:
-    """This tier's index in ``secondary_tiers`` (for error messages); 0 if not found.
-
-    vLLM passes each entry's options but not its index, so find the entry
-    with this type whose options match.
-    """
-    entries = getattr(offloading_spec, "secondary_tier_configs", None) or []
-    for position, entry in enumerate(entries):
-        if not isinstance(entry, Mapping) or entry.get("type") != tier_type:
-            continue
-        if all(entry.get(k) == v for k, v in options.items()):
-            return position
-    return 0
