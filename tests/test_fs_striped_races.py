@@ -223,3 +223,23 @@ async def test_probing_a_deleted_root_sized_by_capacity_blocks_keeps_the_watch_a
         assert tier._watching is not None and not tier._watching.done()
     finally:
         await tier.aclose()  # no error from the watch
+
+
+async def test_a_drive_dead_at_start_leaves_the_tier_serving_on_the_others(
+    tmp_path: Path,
+) -> None:
+    """The engine builds and opens a tier back to back: a dead drive must not fail either."""
+    from tests.test_fs_striped import ext4_loop, shut_down
+
+    other = tmp_path / "d1"
+    with ext4_loop(tmp_path / "disk.img", tmp_path / "mnt") as drive:
+        root = drive / "cache"
+        async with opened(striped([root, other], capacity_bytes="8MiB", durability="none")):
+            pass  # a cache on both roots
+        shut_down(drive)  # every op on it answers EIO from now on
+        tier = striped([root, other], capacity_bytes="8MiB", durability="none")
+        async with opened(tier):
+            assert tier.stats.roots_out_of_service == 1
+            keys = [key(i) for i in range(20)]
+            assert await store(tier, keys) == {}
+            assert all(v is not None for v in (await load(tier, keys)).values())

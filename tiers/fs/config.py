@@ -13,6 +13,7 @@ the first store. Sizes accept integers or strings with a unit (``"64GiB"``,
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -221,7 +222,8 @@ class FsTierConfig:
             capacities = (0,) * len(roots)  # known at open, once the block size is
         else:
             blocks = None
-            capacities = tuple(_check_capacity(root, capacity_bytes) for root in roots)
+            striped = len(roots) > 1
+            capacities = tuple(_check_capacity(root, capacity_bytes, striped) for root in roots)
         return cls(
             root_dir=roots[0],
             capacity_bytes=capacities[0],
@@ -265,10 +267,16 @@ def _check_root_dirs(root_dir: object, root_dirs: object, create: bool) -> tuple
         raise ConfigError(
             f"fs tier: root_dirs lists {len(root_dirs)} directories; at most {MAX_ROOT_DIRS}"
         )
-    roots = tuple(_check_root_dir(r, create) for r in root_dirs)
+    # Striped: a drive that fails with an I/O error is not a config mistake; the open
+    # starts it out of service (one ERROR line) and the tier serves with the others.
+    striped = len(root_dirs) > 1
+    roots = tuple(_check_root_dir(r, create, defer_io_errors=striped) for r in root_dirs)
     seen: dict[tuple[int, int], Path] = {}
     for root in roots:
-        st = root.stat()
+        try:
+            st = root.stat()
+        except OSError:  # a failing drive (deferred above): it cannot be another root
+            continue
         first = seen.setdefault((st.st_dev, st.st_ino), root)
         if first is not root:
             raise ConfigError(
@@ -277,10 +285,30 @@ def _check_root_dirs(root_dir: object, root_dirs: object, create: bool) -> tuple
     return roots
 
 
-def _check_root_dir(root_dir: object, create: bool) -> Path:
+#: Errors of a drive, not of the configuration: deferred to the open for a striped tier.
+_DRIVE_ERRNOS = frozenset(
+    {errno.EIO, errno.ENXIO, errno.ENODEV, errno.ESTALE, errno.EROFS, errno.ENOTCONN}
+)
+
+
+def _check_root_dir(root_dir: object, create: bool, *, defer_io_errors: bool = False) -> Path:
     if not isinstance(root_dir, (str, os.PathLike)) or not os.fspath(root_dir):
         raise ConfigError(f"fs tier: root_dir must be a directory path, got {root_dir!r}")
     root = Path(os.fspath(root_dir)).expanduser().absolute()
+    try:
+        _check_usable(root, create)
+    except (OSError, ConfigError) as exc:
+        cause = exc if isinstance(exc, OSError) else exc.__cause__
+        if defer_io_errors and isinstance(cause, OSError) and cause.errno in _DRIVE_ERRNOS:
+            return root
+        if isinstance(exc, OSError):
+            raise ConfigError(f"fs tier: root_dir {str(root)!r}: {exc.strerror or exc}") from exc
+        raise
+    return root
+
+
+def _check_usable(root: Path, create: bool) -> None:
+    """Exists (or is created), is a directory we own, and takes a file (ConfigError)."""
     if not root.exists():
         if not create:
             raise ConfigError(f"fs tier: root_dir {str(root)!r} does not exist")
@@ -304,7 +332,6 @@ def _check_root_dir(root_dir: object, create: bool) -> Path:
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(probe)
-    return root
 
 
 def check_capacity_fits(root: Path, capacity: int, what: str) -> None:
@@ -319,10 +346,19 @@ def check_capacity_fits(root: Path, capacity: int, what: str) -> None:
         )
 
 
-def _check_capacity(root: Path, capacity_bytes: int | str | None) -> int:
-    usage = shutil.disk_usage(root)
-    # Slab files already here count as room: they are reused, not added to.
-    holdable = usage.free + existing_slab_bytes(root)
+def _check_capacity(root: Path, capacity_bytes: int | str | None, striped: bool = False) -> int:
+    try:
+        usage = shutil.disk_usage(root)
+        # Slab files already here count as room: they are reused, not added to.
+        holdable = usage.free + existing_slab_bytes(root)
+    except OSError as exc:
+        if striped and exc.errno in _DRIVE_ERRNOS and capacity_bytes is not None:
+            return _capacity_of(capacity_bytes)  # a failing drive: the open takes it out
+        raise ConfigError(
+            f"fs tier: cannot read the free space of root_dir {str(root)!r} "
+            f"({exc.strerror or exc})"
+            + ("; set capacity_bytes explicitly" if capacity_bytes is None else "")
+        ) from exc
     if capacity_bytes is None:
         capacity = min(DEFAULT_CAPACITY_BYTES, holdable // 2)
         if capacity < 64 * MiB:
@@ -331,8 +367,13 @@ def _check_capacity(root: Path, capacity_bytes: int | str | None) -> int:
                 f"{usage.free / MiB:.0f} MiB free; set capacity_bytes explicitly"
             )
         return capacity
+    capacity = _capacity_of(capacity_bytes)
+    check_capacity_fits(root, capacity, f"capacity_bytes={capacity}")
+    return capacity
+
+
+def _capacity_of(capacity_bytes: int | str) -> int:
     capacity = parse_size("capacity_bytes", capacity_bytes)
     if capacity < 4 * KiB:
         raise ConfigError(f"fs tier: capacity_bytes must be at least 4KiB, got {capacity}")
-    check_capacity_fits(root, capacity, f"capacity_bytes={capacity}")
     return capacity
