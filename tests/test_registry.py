@@ -310,3 +310,16 @@ def test_a_spec_with_an_isolated_tier_shares_its_primary_buffer() -> None:
         load_and_verify(manager, blocks)  # written by the child into the shared rows
     finally:
         manager.shutdown()
+
+
+def test_null_means_the_default_for_the_runtime_keys(
+    view: memoryview, created: list[AsyncTierManager]
+) -> None:
+    """docs/configuration.md: JSON null means "use the default" for every optional key."""
+    manager = create_secondary_tier(
+        {"type": "memory", "job_timeout_s": None, "shutdown_timeout_s": None, "max_events": None},
+        view,
+        position=0,
+    )
+    created.append(manager)
+    assert manager.job_timeout_s == 30 and manager.shutdown_timeout_s == 10

@@ -39,6 +39,7 @@ from tiering.integrations.vllm.driver import (
     chained_keys,
     fill_pattern,
 )
+from tiering.integrations.vllm.tiers import VLLM_SHUTDOWN_TIMEOUT_S
 from tiering.testing.faults import FaultPlan
 
 BLOCK = 64 * 1024
@@ -588,3 +589,10 @@ def test_each_entry_gets_its_own_position(make_manager: Any) -> None:
 def test_process_isolation_is_refused_naming_why(make_manager: Any) -> None:
     with pytest.raises(ConfigError, match="isolation 'process' is not available inside vLLM"):
         make_manager([ours("KVTieringMemoryTier", capacity_blocks=8, isolation="process")])
+
+
+def test_null_runtime_keys_take_the_defaults_inside_vllm(make_manager: Any) -> None:
+    entry = ours("KVTieringMemoryTier", capacity_blocks=8, shutdown_timeout_s=None)
+    manager, _ = make_manager([{**entry, "job_timeout_s": None}])
+    runtime = tier_of(manager)._runtime
+    assert runtime.shutdown_timeout_s == VLLM_SHUTDOWN_TIMEOUT_S and runtime.job_timeout_s == 30

@@ -47,6 +47,23 @@ FRAMEWORK_KEYS = (
     "locality",
     "enable_kv_events",
 )
+#: Framework keys whose JSON ``null`` means "the default" (for the others null has a
+#: meaning of its own: ``max_gil_hold_ms`` off, ``cpus`` not pinned, ``verify`` automatic).
+NULL_MEANS_DEFAULT = frozenset(
+    {
+        "job_timeout_s",
+        "open_timeout_s",
+        "shutdown_timeout_s",
+        "cancel_grace_s",
+        "shared_absent_ttl_s",
+        "shared_present_ttl_s",
+        "shared_max_known_keys",
+        "max_events",
+        "failed_load_backoff_s",
+        "gc_handoff",
+        "isolation",
+    }
+)
 #: The framework keys passed on to the tier's runtime manager as keywords.
 MANAGER_OPTIONS = FRAMEWORK_KEYS[3 : FRAMEWORK_KEYS.index("isolation")]
 #: Where a tier's event loop may run (the ``isolation`` key).
@@ -127,6 +144,8 @@ def check_tier_config(
         raise ConfigError(f"{where}: {exc}") from exc
     if not isinstance(config, Mapping):
         raise ConfigError(f"{where} must be a dict with a 'type' key, got {config!r}")
+    if any(config[k] is None for k in NULL_MEANS_DEFAULT if k in config):
+        config = {k: v for k, v in config.items() if v is not None or k not in NULL_MEANS_DEFAULT}
     if "type" not in config:
         raise ConfigError(f"{where}: missing required key 'type'; config: {dict(config)!r}")
     type_name = config["type"]

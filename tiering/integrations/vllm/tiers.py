@@ -150,9 +150,10 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
                 f"{where}: locality must be 'LOCAL' or 'REMOTE', got {locality!r}"
             ) from None
         position = position_in_spec(offloading_spec, tier_type, given)
-        options.setdefault(
-            "shutdown_timeout_s", defaults.get("shutdown_timeout_s", VLLM_SHUTDOWN_TIMEOUT_S)
-        )
+        if options.get("shutdown_timeout_s") is None:  # absent or null: vLLM's bound
+            options["shutdown_timeout_s"] = defaults.get(
+                "shutdown_timeout_s", VLLM_SHUTDOWN_TIMEOUT_S
+            )
         if enable_kv_events is None:  # JSON null: the default
             enable_kv_events = False
         if not isinstance(enable_kv_events, bool):  # bool("false") would be True
