@@ -266,6 +266,23 @@ def test_load_of_a_key_whose_store_is_in_flight_waits_for_the_store(buf: np.ndar
         assert tier.same_key_overlaps == 0
 
 
+def test_a_load_waits_for_a_store_that_is_itself_waiting_for_another_key(
+    buf: np.ndarray,
+) -> None:
+    """Store [A, B] waits for a slow store of A, so it has not claimed B yet: a load of B
+    submitted after it must still wait for it, not fail as missing."""
+    tier = SlowTier(delay_s=0.1)
+    with AsyncTierManager(tier, buf.data, "slow") as manager:
+        fill(buf, 0)
+        data_b = fill(buf, 1)
+        manager.submit_store(store(1, [key(1)], [0]))
+        manager.submit_store(store(2, [key(1), key(2)], [0, 1]))
+        manager.submit_load(load(3, [key(2)], [9]))
+        got = results(manager)
+        assert all(got[j].success for j in (1, 2, 3)), {j: r.error for j, r in got.items()}
+        assert bytes(buf[9]) == data_b
+
+
 def test_concurrency_is_bounded_by_max_concurrency_and_keys_never_overlap(
     buf: np.ndarray,
 ) -> None:

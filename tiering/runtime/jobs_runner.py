@@ -116,6 +116,22 @@ class _JobRunner(_Transfers):
         mine.set_result(None)
 
     async def _store(self, job: _Job) -> JobResult:
+        """Store ``job``'s blocks; a load of one of them started meanwhile waits for it."""
+        keys = job.meta.keys
+        assert self._loop is not None
+        done: asyncio.Future[None] = self._loop.create_future()
+        storing = self._storing
+        for key in keys:
+            storing[key] = done
+        try:
+            return await self._store_claimed(job)
+        finally:
+            for key in keys:
+                if storing.get(key) is done:
+                    del storing[key]
+            done.set_result(None)
+
+    async def _store_claimed(self, job: _Job) -> JobResult:
         keys = job.meta.keys
         mine = await self._claim(keys)
         batch = _Batch()
@@ -211,6 +227,11 @@ class _JobRunner(_Transfers):
 
     async def _load(self, job: _Job) -> JobResult:
         keys = job.meta.keys
+        storing = self._storing
+        if storing:  # stores of these keys submitted before: they land first
+            pending = {storing[k] for k in keys if k in storing}
+            if pending:
+                await asyncio.wait(pending)
         # A private tier's presence view is authoritative: a job with nothing to read
         # fails without I/O (a key with an operation in flight is judged once that
         # operation ends); one missing some keys loads the others (a partial result:

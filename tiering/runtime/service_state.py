@@ -105,6 +105,9 @@ class _ServiceState:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread_id = 0
         self._claims: dict[OffloadKey, asyncio.Future[None]] = {}
+        # The latest store of each key that has started and not ended, claimed or still
+        # waiting for its claims: a load of the key waits for it (docs/runtime.md).
+        self._storing: dict[OffloadKey, asyncio.Future[None]] = {}
         # Checksums of the blocks this runtime stored (verify mode): kept through
         # removals and mismatches, so a key stays verified until stored again.
         self._digests = StoredDigests(shared_max_known_keys if self.shared else None)
