@@ -14,6 +14,7 @@ import pytest
 
 from tests.runtime_support import (
     BLOCK,
+    SlowTier,
     fill,
     key,
     load,
@@ -23,7 +24,7 @@ from tests.runtime_support import (
     store,
     wait_until,
 )
-from tiering.core.errors import BlockNotFound, TierClosedError
+from tiering.core.errors import BlockNotFound, ContractError, TierClosedError
 from tiering.core.jobs import JobResult
 from tiering.core.keys import NO_CONTEXT, OffloadKey
 from tiering.runtime import AsyncTierManager
@@ -371,3 +372,16 @@ def test_view_rows_are_released_so_the_primary_buffer_can_be_freed() -> None:
     view.release()
     backing.extend(b"x")  # raises BufferError if any view of it were still alive
     assert np.frombuffer(bytes(backing[:BLOCK]), dtype=np.uint8).sum() == 0
+
+
+def test_results_of_the_jobs_shutdown_cancelled_are_kept_for_the_owner() -> None:
+    rows = primary(8)
+    fill(rows, 0)
+    manager = AsyncTierManager(SlowTier(delay_s=5), rows.data, "slow", shutdown_timeout_s=1)
+    with pytest.raises(ContractError, match="before shutdown"):
+        manager.results_after_shutdown()
+    manager.submit_store(store(1, [key(1)], [0]))
+    manager.shutdown()  # cancels the store still running
+    (result,) = manager.results_after_shutdown()
+    assert result.job_id == 1 and not result.success and "shut down" in (result.error or "")
+    assert manager.results_after_shutdown() == []  # each result once

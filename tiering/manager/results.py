@@ -99,8 +99,11 @@ class ResultsMixin(PromotionMixin):
         """Take results a tier produced while shutting down (e.g. cancelled jobs)."""
         if not self._tier_counters[position].jobs_in_flight:
             return
+        # Ours keep what their shutdown produced; another SecondaryTierManager may still
+        # answer get_finished.
+        take = getattr(tier, "results_after_shutdown", None) or tier.get_finished
         try:
-            results = list(tier.get_finished())
+            results = list(take())
         except Exception:
             return  # a closed tier may refuse; its jobs are abandoned below
         for result in results:

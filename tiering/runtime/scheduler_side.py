@@ -418,8 +418,9 @@ class SchedulerSide(SecondaryTierManager):
         """Stop accepting jobs, drain or cancel in-flight work, close the tier, join the thread.
 
         Bounded by ``shutdown_timeout_s``. Idempotent; every other method
-        except :meth:`stats` raises :class:`~tiering.core.errors.TierClosedError`
-        afterwards. Results not collected before are discarded.
+        except :meth:`stats` and :meth:`results_after_shutdown` raises
+        :class:`~tiering.core.errors.TierClosedError` afterwards. Results not
+        collected before are kept for :meth:`results_after_shutdown`.
         """
         with self._shutdown_lock:
             if self._closed:
@@ -429,6 +430,21 @@ class SchedulerSide(SecondaryTierManager):
             self._close_backend(self.shutdown_timeout_s)
         finally:
             self._flat.release()
+
+    def results_after_shutdown(self) -> list[JobResult]:
+        """Results not collected before :meth:`shutdown`, with those of the jobs it drained
+        or cancelled: for the owner's final accounting. Never blocks; each result once.
+
+        Raises :class:`~tiering.core.errors.ContractError` before shutdown (use
+        :meth:`get_finished`).
+        """
+        if not self._closed:
+            raise ContractError(f"tier {self.name}: results_after_shutdown() before shutdown()")
+        finished = [*self._ready, *self._take_results()]
+        self._ready.clear()
+        for result in finished:
+            self._deliver(result)
+        return finished
 
     @property
     def closed(self) -> bool:
