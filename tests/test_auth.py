@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import copy
 import hmac
+import pathlib
 import pickle
 import struct
 
@@ -171,6 +172,23 @@ def test_any_buffer_format_tags_its_bytes(mac: str) -> None:
     words = array.array("H", range(2048))
     auth = BlockAuthenticator(SECRET, "test", mac)
     assert auth.tag(b"k", b"f", memoryview(words)) == auth.tag(b"k", b"f", words.tobytes())
+
+
+def test_a_key_in_the_environment_is_its_bytes_as_they_are(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    """Random bytes that are not UTF-8 (what the docs recommend) work as in a key file."""
+    import os
+
+    raw = b"\xff\xfe" + bytes(range(1, 31))
+    monkeypatch.setitem(os.environb, b"KVT_AUTH_BIN_KEY", raw)
+    from_env = authenticator_from_options({"auth_key_env": "KVT_AUTH_BIN_KEY"})
+    key_file = tmp_path / "key"
+    key_file.write_bytes(raw)
+    key_file.chmod(0o600)
+    from_file = authenticator_from_options({"auth_key_file": str(key_file)})
+    assert from_env is not None and from_file is not None
+    assert from_env.tag(b"k", b"f", b"data") == from_file.tag(b"k", b"f", b"data")
 
 
 def test_options_name_what_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,17 +112,18 @@ async def test_cluster_node_restart_fails_its_keys_cleanly_then_recovers(tmp_pat
                 assert on_victim and len(on_victim) < 30
 
                 cluster.nodes[2].kill()
-                out = new_blocks(30)
-                with pytest.raises(PartialBatchError) as caught:
-                    await tier.read_many(keys, views(out))
-                assert set(caught.value.errors) == on_victim, "only the dead node's keys fail"
-                assert all(
-                    isinstance(e, RedisTierUnavailable) for e in caught.value.errors.values()
-                )
-                assert set(caught.value.succeeded) == set(keys) - on_victim
-                for i, key in enumerate(keys):
-                    if key in caught.value.succeeded:
-                        assert out[i] == blocks[i]
+                for _ in range(3):
+                    out = new_blocks(30)
+                    with pytest.raises(PartialBatchError) as caught:
+                        await tier.read_many(keys, views(out))
+                    assert set(caught.value.errors) == on_victim, "only the dead node's keys fail"
+                    assert all(
+                        isinstance(e, RedisTierUnavailable) for e in caught.value.errors.values()
+                    )
+                    assert set(caught.value.succeeded) == set(keys) - on_victim
+                    for i, key in enumerate(keys):
+                        if key in caught.value.succeeded:
+                            assert out[i] == blocks[i]
 
                 cluster.nodes[2].start()  # rejoins with its slots, without its data
                 while True:
@@ -156,3 +157,38 @@ async def test_cluster_delete_after_a_load_spares_a_rewrite(
         assert await other.contains_many(keys) == [True] * 3 + [False] * 3
         for key, block in zip(keys[:3], newer[:3], strict=True):
             assert await read_back(other, key) == block
+
+
+async def test_a_dead_node_never_fails_the_healthy_nodes_keys_in_later_loads(
+    tmp_path: Path,
+) -> None:
+    """redis-py's cluster pipeline retried a dead node by closing the whole client, every
+    node's connections in the middle of their replies: from the second load on, keys of
+    healthy nodes failed too (large blocks keep their replies in flight long enough)."""
+    block = 1 << 20
+    cluster = RedisClusterServers(tmp_path).start()
+    try:
+        async with asyncio.timeout(60):
+            async with opened_tier(
+                cluster.url,
+                cluster=True,
+                block_bytes=block,
+                op_timeout_s=2,
+                connect_timeout_s=0.5,
+                reconnect_interval_s=0.05,
+                max_reconnect_interval_s=0.2,
+            ) as tier:
+                keys, blocks = new_keys(48), new_blocks(48, block)
+                await tier.write_many(keys, views(blocks))
+                with cluster.nodes[2].client() as raw:
+                    held = set(raw.keys("*"))
+                on_victim = {k for k in keys if tier._require_layout().redis_key(k) in held}
+                cluster.nodes[2].kill()
+                for _ in range(4):
+                    out = [bytearray(block) for _ in keys]
+                    with pytest.raises(PartialBatchError) as caught:
+                        await tier.read_many(keys, views(out))
+                    assert set(caught.value.errors) == on_victim, "only the dead node's keys fail"
+                    await asyncio.sleep(0.3)
+    finally:
+        cluster.stop()

@@ -315,7 +315,10 @@ def authenticator_from_options(
     value = os.environ.get(key_env)
     if not value:
         raise ConfigError(f"{where}auth_key_env names {key_env!r}, which is not set or empty")
-    return BlockAuthenticator(value.encode().strip(), f"environment variable {key_env!r}", mac)
+    # The variable's bytes as they are: os.fsencode undoes the surrogates that stand for
+    # bytes that are not UTF-8 (value.encode() raised on them, the key in the exception).
+    secret = os.fsencode(value).strip()
+    return BlockAuthenticator(secret, f"environment variable {key_env!r}", mac)
 
 
 # -- tags off the loop thread -----------------------------------------------------------------

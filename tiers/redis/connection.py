@@ -63,6 +63,11 @@ def build_client(config: RedisTierConfig) -> RedisClient:
     if config.cluster:
         if config.uses_tls:
             common["ssl"] = True
+        # No retry in a cluster: redis-py's cluster pipeline retries by closing the whole
+        # client, every node's connections with it, so one dead node failed the keys of
+        # the healthy nodes in flight too (docs/redis-tier.md: a node that is down fails
+        # only its own keys). A connection a node closed fails once, then is dialled anew.
+        common["retry"] = Retry(NoBackoff(), 0)
         return RedisCluster.from_url(config.url, max_connections=config.max_connections, **common)
     if config.uses_tls:
         common["connection_class"] = SSLConnection
