@@ -181,6 +181,21 @@ def test_store_then_load_is_byte_exact_into_other_rows(
         assert m.get_num_blocks() == 8
 
 
+def test_blocks_a_persistent_tier_recovers_at_open_are_seen_from_this_process(
+    tmp_path: Path, host: HostBuffer, rows: np.ndarray
+) -> None:
+    """The child learns them in bulk at open: that learning must reach the mirror too."""
+    make = functools.partial(fs_factory, tmp_path)
+    for i in range(4):
+        fill(rows, i)
+    with isolated(make(), host) as m:
+        m.submit_store(store(1, [key(i) for i in range(4)], list(range(4))))
+        assert one_result(m).success
+    with isolated(make(), host) as m:  # reopened: its blocks recovered from disk
+        assert all(m.lookup(key(i), NO_CONTEXT) is True for i in range(4))
+        assert m.get_num_blocks() == 4
+
+
 def test_has_finished_says_whether_a_result_came_back_from_the_tiers_process(
     factory: Callable[..., Callable[[], AsyncTier]], host: HostBuffer, rows: np.ndarray
 ) -> None:
@@ -456,3 +471,15 @@ def test_shutdown_with_a_job_in_flight_returns_within_its_bound(
     m.shutdown()
     assert process_is_gone(pid)
     assert m.stats().closed
+
+
+def test_every_way_to_change_the_presence_view_is_mirrored() -> None:
+    """A mutation of KnownPresent that RecordingPresent does not override is one the
+    scheduler's mirror never hears of (add_many was, for every block recovered at open)."""
+    from tiering.isolation.mirror import RecordingPresent
+    from tiering.runtime.presence import KnownPresent
+
+    read_only = {"ages", "issuperset", "check_invariants"}
+    mutations = {name for name in vars(KnownPresent) if not name.startswith("_")} - read_only
+    assert mutations == {"add", "add_many", "discard", "expire"}
+    assert mutations <= set(vars(RecordingPresent))

@@ -68,6 +68,12 @@ class RecordingPresent(KnownPresent):
             self._log.record(PRESENT_DROP, old)
         return forgotten
 
+    def add_many(self, keys: Iterable[OffloadKey]) -> None:
+        # One add (and one record) per key: the blocks a tier recovers at open. Not the
+        # base class's bulk update, which the scheduler's mirror would never hear of.
+        for key in keys:
+            self.add(key)
+
     def discard(self, key: OffloadKey) -> None:
         if key in self:
             super().discard(key)
