@@ -465,6 +465,25 @@ def test_tier_failures_are_named_in_the_printed_report(capsys: pytest.CaptureFix
     assert "more than --max-tier-failures 0: exit status 3" in out
 
 
+def test_the_status_stands_when_the_output_is_piped_into_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tiering replay ... | head` under pipefail: a failed run must not read as success."""
+    import builtins
+
+    real_print = builtins.print
+
+    def reader_gone(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("file") is None:  # the report on stdout: `head` has exited
+            raise BrokenPipeError(32, "Broken pipe")
+        real_print(*args, **kwargs)
+
+    tier = '{"type": "tests.replay_faults:FailingReadsMemoryTier"}'
+    monkeypatch.setattr(builtins, "print", reader_gone)
+    args = ["replay", *SMALL, "--cpu-bytes", "512KiB", "--tier", tier, "--json"]
+    assert main(args) == EXIT_TIER_FAILURES
+
+
 def test_wrong_bytes_outrank_tier_failures() -> None:
     from tiering.cli import replay_exit_status
 

@@ -423,6 +423,10 @@ def test_constructor_rejects_bad_views_and_options() -> None:
         AsyncTierManager(MemoryTier(), memoryview(bytearray(8192)), "m", block_bytes=3000)
     with pytest.raises(ConfigError, match="job_timeout_s"):
         AsyncTierManager(MemoryTier(), primary().data, "m", job_timeout_s=0)
+    # Deadlines are loop times: infinity never returns, 1e10 s overflows the selector.
+    for endless in (float("inf"), 1e10):
+        with pytest.raises(ConfigError, match="shutdown_timeout_s must be a positive number"):
+            AsyncTierManager(MemoryTier(), primary().data, "m", shutdown_timeout_s=endless)
     with pytest.raises(ConfigError, match="verify must be true, false or null, got 'false'"):
         AsyncTierManager(MemoryTier(), primary().data, "m", verify="false")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="AsyncTier"):

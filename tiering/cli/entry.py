@@ -50,10 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BrokenPipeError as exc:
             if _tier_start_failure(exc) is not None:  # a tier's connection, not our stdout
                 return _error(args, exc)
-            # Output piped into e.g. `head`: not an error of ours.
+            # Output piped into e.g. `head`: not an error of ours, and the run's own status
+            # (wrong bytes, tier failures) stands.
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
-            return EXIT_OK
+            return getattr(exc, "exit_status", EXIT_OK)
         except OSError as exc:  # e.g. the disk filled up writing --output
             return _error(
                 args,

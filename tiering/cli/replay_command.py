@@ -105,12 +105,16 @@ def run_replay(args: argparse.Namespace, signals: SignalStop) -> int:
         report["stopped_by"] = signal_name(signals.signum)
     if args.output is not None:
         args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        from tiering.replay.report import render_report
+    try:
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            from tiering.replay.report import render_report
 
-        render_report(report, out)
+            render_report(report, out)
+    except BrokenPipeError as exc:  # piped into `head`: the run's status still stands
+        exc.exit_status = status  # type: ignore[attr-defined]
+        raise
     return status
 
 

@@ -80,7 +80,10 @@ class ChildSpec:
 
 def serve(spec: ChildSpec, control: Connection, wake: Connection) -> None:
     """The child process's entry point (returns when the tier is closed)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler's process decides when to stop
+    # The scheduler's process decides when to stop: a signal to the whole process group
+    # (Ctrl-C, a closed terminal, systemd's SIGTERM) must not kill the tier mid-job.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     try:
         pin_current_process(spec.cpus)  # before the tier starts threads: they inherit it
         with asyncio.Runner(loop_factory=handoff_loop_factory(spec.max_gil_hold_s)) as runner:

@@ -64,6 +64,10 @@ RUNTIME_DEFAULTS: RuntimeOptions = {
 _CHECKED = frozenset(RUNTIME_DEFAULTS) - {"name", "layout_fingerprint"}
 
 
+#: The longest timeout or time-to-live a runtime option may be: a week.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
 def check_runtime_options(**options: object) -> None:
     """Check the runtime's options (a tier entry's framework keys) without building anything.
 
@@ -91,8 +95,16 @@ def check_runtime_options(**options: object) -> None:
         ("shared_absent_ttl_s", shared_absent_ttl_s),
         ("shared_present_ttl_s", shared_present_ttl_s),
     ):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ConfigError(f"{option} must be a positive number of seconds, got {value!r}")
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value <= MAX_SECONDS
+        ):
+            # Finite and bounded: deadlines are loop times (inf never returns, 1e10 overflows).
+            raise ConfigError(
+                f"{option} must be a positive number of seconds up to {MAX_SECONDS:g} "
+                f"(a week), got {value!r}"
+            )
     if (
         not isinstance(failed_load_backoff_s, (int, float))
         or isinstance(failed_load_backoff_s, bool)
