@@ -23,7 +23,7 @@ BLOCK = 4096
 
 @pytest.fixture
 def shm_name() -> Iterator[str]:
-    name = make_shared_name("kvtier-test")
+    name = make_shared_name("kvtier_test")
     yield name
     Path(SHM_DIR, name).unlink(missing_ok=True)
 
@@ -261,3 +261,26 @@ def test_stale_buffers_of_dead_creators_are_removed_and_live_ones_never_touched(
                 os.unlink(os.path.join(SHM_DIR, name))
     # The holder exited without unlinking its buffer: now it is stale.
     assert remove_stale_shared(prefix) == [live_locked]
+
+
+def test_a_name_with_an_impossible_pid_does_not_break_creating_a_buffer() -> None:
+    """Anyone may create files in /dev/shm: one named like ours with a pid beyond any
+    process must not make every named buffer's creation fail (os.kill overflowed)."""
+    prefix = f"kvtiertest{os.getpid()}"
+    bogus = f"{prefix}-{'9' * 20}-{'0123456789abcdef'}"
+    path = os.path.join(SHM_DIR, bogus)
+    with open(path, "wb") as file:
+        file.write(b"\0" * 16)
+    try:
+        with HostBuffer.create(1, 4096, shared_name=make_shared_name(prefix)):
+            pass
+        assert bogus not in os.listdir(SHM_DIR)  # ours, unlocked, no such process: swept
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("prefix", ["kv-tier", "", "a/b", "x" * 65])
+def test_a_prefix_the_sweep_could_not_read_back_is_refused(prefix: str) -> None:
+    with pytest.raises(ValueError, match="shared-memory prefix"):
+        make_shared_name(prefix)

@@ -50,7 +50,7 @@ def test_an_anonymous_host_buffer_is_private_and_a_shared_one_advised() -> None:
     with HostBuffer.create(2, HUGE_PAGE_BYTES) as buf:
         flags = vm_flags(buf.as_numpy().ctypes.data)
         assert {"hg", "dc"} <= flags and "sh" not in flags
-    with HostBuffer.create(2, HUGE_PAGE_BYTES, shared_name=make_shared_name("kvtier-test")) as buf:
+    with HostBuffer.create(2, HUGE_PAGE_BYTES, shared_name=make_shared_name("kvtier_test")) as buf:
         flags = vm_flags(buf.as_numpy().ctypes.data)
         assert {"hg", "sh"} <= flags and "dc" not in flags  # other processes attach to it
 

@@ -54,7 +54,7 @@ def snapshot(tier: CPUPrimaryTier, probe: range = range(20)) -> object:
 
 @pytest.fixture
 def shm_name() -> Iterator[str]:
-    name = make_shared_name("kvtier-test")
+    name = make_shared_name("kvtier_test")
     yield name
     Path(SHM_DIR, name).unlink(missing_ok=True)
 

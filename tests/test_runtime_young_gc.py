@@ -219,7 +219,7 @@ def test_a_collector_thread_that_cannot_be_pinned_warns_and_still_collects(
 def test_an_isolated_tier_hands_a_due_collection_to_its_collector_thread(
     collections: list[tuple[str, int]], on: bool
 ) -> None:
-    host = HostBuffer.create(4, 4096, shared_name=make_shared_name("young-gc"))
+    host = HostBuffer.create(4, 4096, shared_name=make_shared_name("young_gc"))
     try:
         factory = functools.partial(MemoryTier, capacity_blocks=8)
         one_cpu = frozenset({max(os.sched_getaffinity(0))})

@@ -106,7 +106,7 @@ def open_tier(
     rows = args.in_flight * args.blocks_per_job
     # Named shared memory, page-aligned: the real primary tier's buffer (O_DIRECT-able,
     # attachable by an isolated tier's process).
-    host = HostBuffer.create(rows, block, shared_name=make_shared_name("engine-step"))
+    host = HostBuffer.create(rows, block, shared_name=make_shared_name("engine_step"))
     primary = host.as_numpy()
     primary[:] = np.random.default_rng(1).integers(0, 256, primary.shape, dtype=np.uint8)
     capacity_blocks = max(4 * rows, (args.tier_mib * MIB) // block)

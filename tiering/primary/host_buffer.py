@@ -48,13 +48,22 @@ logger = logging.getLogger("tiering.primary.host_buffer")
 _SHM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 
 
-def make_shared_name(prefix: str = "kvtier") -> str:
-    """A fresh, unguessable name for a shared buffer: ``<prefix>-<pid>-<random hex>``."""
-    return f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
-
-
 #: Names :func:`make_shared_name` gives: prefix, creator's pid, random hex.
 _MADE_NAME = re.compile(r"(?P<prefix>[A-Za-z0-9_.]+)-(?P<pid>[0-9]+)-[0-9a-f]{16}")
+_PREFIX = re.compile(r"[A-Za-z0-9_.]{1,64}")
+
+
+def make_shared_name(prefix: str = "kvtier") -> str:
+    """A fresh, unguessable name for a shared buffer: ``<prefix>-<pid>-<random hex>``.
+
+    ``prefix`` is letters, digits, ``_`` and ``.`` (a ``-`` would hide the pid from
+    :func:`remove_stale_shared`, and the buffers of dead owners would stay for good).
+    """
+    if not isinstance(prefix, str) or not _PREFIX.fullmatch(prefix):
+        raise ValueError(
+            f"a shared-memory prefix is 1-64 letters, digits, '_' or '.', got {prefix!r}"
+        )
+    return f"{prefix}-{os.getpid()}-{secrets.token_hex(8)}"
 
 
 def remove_stale_shared(prefix: str = "kvtier", shm_dir: str = SHM_DIR) -> list[str]:
@@ -78,14 +87,14 @@ def remove_stale_shared(prefix: str = "kvtier", shm_dir: str = SHM_DIR) -> list[
         match = _MADE_NAME.fullmatch(entry.name)
         if match is None or match["prefix"] != prefix:
             continue
-        pid = int(match["pid"])
-        if pid == os.getpid() or pid_running(pid):
-            continue
         try:
             info = entry.stat(follow_symlinks=False)
         except OSError:
             continue
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            continue  # before the pid: anyone may create a file of any name in /dev/shm
+        pid = int(match["pid"])
+        if pid == os.getpid() or pid_running(pid):
             continue
         if _locked(entry.path):
             continue
@@ -106,7 +115,7 @@ def pid_running(pid: int) -> bool:
     """Whether a process with this pid exists (another user's counts)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):  # none, or no pid at all
         return False
     except PermissionError:
         return True  # alive, another user's
