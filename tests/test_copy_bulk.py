@@ -407,7 +407,8 @@ def test_a_region_copied_onto_itself_in_a_large_table_is_unchanged() -> None:
         ([1], [2], [1, 2], ValueError, "1 regions but 2 lengths"),
         ([1], [2], -1, ValueError, "non-negative"),
         ([1], [2], np.array([-1]), ValueError, "impossible length"),
-        ([-1], [2], 0, ValueError, r"src\[0\] is not an address"),
+        ([-1], [2], 0, ValueError, r"src\[0\] must be a non-negative int"),
+        ([1], [2], [-8], ValueError, r"lengths\[0\] must be a non-negative int"),
         (np.zeros((1, 1), np.uint64), [2], 0, ValueError, "1-D"),
         (np.zeros(1, np.float64), [2], 0, TypeError, "integers"),
     ],
@@ -419,5 +420,18 @@ def test_the_extension_refuses_bad_tables_before_copying(
     try:
         with pytest.raises(error, match=match):
             bulk.copy_regions(src, dst, lengths)
+    finally:
+        bulk._reset_for_tests(None)
+
+
+@pytest.mark.parametrize("mode", ["memmove", "process_vm"])
+@pytest.mark.parametrize("lengths", [-8, [-8], np.array([-8])])
+def test_a_negative_length_is_refused_by_every_way_before_copying(mode: str, lengths: Any) -> None:
+    """ctypes hands a negative int on as a huge size_t: refused, never a corrupted heap."""
+    buf = np.zeros(64, dtype=np.uint8)
+    bulk._reset_for_tests(mode)
+    try:
+        with pytest.raises(ValueError, match="non-negative"):
+            bulk.copy_regions([_addr(buf)], [_addr(buf) + 32], lengths)
     finally:
         bulk._reset_for_tests(None)

@@ -183,8 +183,7 @@ static int table_from(PyObject *obj, const char *what, u64_table *t) {
         if (v == (unsigned long long)-1 && PyErr_Occurred()) {
             Py_DECREF(seq);
             table_release(t);
-            PyErr_Format(PyExc_ValueError, "%s[%zd] is not an address (a non-negative int)",
-                         what, i);
+            PyErr_Format(PyExc_ValueError, "%s[%zd] must be a non-negative int", what, i);
             return -1;
         }
         t->owned[i] = (uint64_t)v;

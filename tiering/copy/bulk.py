@@ -258,13 +258,18 @@ def copy_regions(
         return
     writev = _system_call()
     if isinstance(lengths, int):
+        if lengths < 0:  # ctypes would pass it on as a huge size_t: a corrupted heap
+            raise ValueError(f"lengths must be non-negative, got {lengths}")
         # One length for all (a tier's blocks): no numpy at all on this path.
         if writev is None or lengths >= LOOP_MIN_REGION_BYTES:
             _memmove_same(s_list, d_list, lengths)
             return
         len_a = np.full(n, lengths, dtype=np.uint64)
     else:
-        len_a = np.asarray(lengths, dtype=np.uint64)
+        given = np.asarray(lengths)
+        if given.size and given.dtype.kind == "i" and int(given.min()) < 0:
+            raise ValueError(f"lengths must be non-negative, got {int(given.min())}")
+        len_a = given.astype(np.uint64)
         if len_a.shape != (n,):
             raise ValueError(f"{n} regions but lengths of shape {len_a.shape}")
         if writev is None or int(len_a.sum()) >= n * LOOP_MIN_REGION_BYTES:
