@@ -411,3 +411,27 @@ def test_kvaware_ghost_lists_stay_bounded_and_remove_leaves_no_ghost() -> None:
 def test_kvaware_rejects_bad_options(options: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="must be"):
         KVAwarePolicy(4, **options)
+
+
+def test_a_setting_that_builds_no_eviction_policy_is_refused() -> None:
+    from tiering.policies.admission import resolve_admission
+
+    with pytest.raises(ConfigError, match="not an EvictionPolicy"):
+        make_policy(resolve_admission("reuse"), 4)
+
+
+def test_adaptive_with_a_memory_under_one_use_keeps_its_counts_sane() -> None:
+    """memory x shadow capacity < 1 made the decay negative: counts flipped sign each use."""
+    import random
+
+    policy = make_policy({"name": "adaptive", "memory": 0.1}, 4)
+    draw = random.Random(1)
+    for _ in range(400):
+        key = draw.randrange(6)
+        if key in policy:
+            policy.access(key)
+        else:
+            if len(policy) == 4:
+                policy.evict(1, lambda k: True)
+            policy.insert(key)
+        policy.check_invariants()

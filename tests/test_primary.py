@@ -394,3 +394,17 @@ def test_a_request_aware_policy_gets_the_request_that_stored_each_block() -> Non
     tier.complete_store(out.keys_to_store)
     assert policy.stores == [(key(6), None)]
     tier.check_invariants()
+
+
+def test_shutdown_forgets_every_block() -> None:
+    """No lookup may answer a hit for a row nobody can read after shutdown."""
+    tier = CPUPrimaryTier(4, 4096)
+    stored = keys(0, 1, 2)
+    out = tier.prepare_store(stored, NO_CONTEXT)
+    assert out is not None
+    tier.complete_store(out.keys_to_store[:2])  # two ready, one still being stored
+    tier.prepare_load([stored[0]], NO_CONTEXT)  # and one pinned for a load
+    tier.shutdown()
+    assert [tier.lookup(k, NO_CONTEXT) for k in stored] == [False, False, False]
+    assert tier.num_ready() == 0 and tier.num_storing() == 0
+    tier.check_invariants()

@@ -131,7 +131,9 @@ class AdaptivePolicy(RequestAwarePolicy[K]):
         self._shadow_uses = 0.0  # sampled uses (decayed alike)
         self._shadows_full = False  # counts restart when the shadows first evict
         self._evidence = _number("evidence", evidence, 0, 1e6) * mini
-        self._decay = 1.0 - 1.0 / (memory * mini)
+        # At least 0: a memory under one use (memory x shadow capacity < 1) keeps only the
+        # latest use, where a negative factor would flip the counts' sign at every use.
+        self._decay = max(0.0, 1.0 - 1.0 / (memory * mini))
         if start not in ("lru", "reuse"):
             raise ValueError(f"start must be 'lru' or 'reuse', got {start!r}")
         self._follow_lru = start == "lru"

@@ -1,12 +1,13 @@
 """Resolving an ``eviction_policy`` setting to a policy class: the one resolver every entry uses.
 
-A setting names a policy in one of four ways, tried in this order:
+A setting names a policy in one of four ways. With ``module_path`` (vLLM's spelling:
+``eviction_policy: "MyPolicy"`` plus ``cache_policy_module_path: "pkg.mod"``) it is
+the class ``MyPolicy`` of that module, whatever the name (as vLLM reads it). Without
+one, these are tried in this order:
 
 1. a built-in name: ``"lru"``, ``"arc"``, ``"kvaware"``, ``"adaptive"`` (case-insensitive);
-2. with ``module_path`` (vLLM's spelling: ``eviction_policy: "MyPolicy"`` plus
-   ``cache_policy_module_path: "pkg.mod"``), the class ``MyPolicy`` of that module;
-3. the name of an entry point in the group ``kv_tiering.policies``;
-4. an import path ``"pkg.mod:Class"``.
+2. the name of an entry point in the group ``kv_tiering.policies``;
+3. an import path ``"pkg.mod:Class"``.
 
 and may carry options, the policy class's keyword arguments: a mapping
 ``{"name": "kvaware", "probation_ghosts": 2}``, or in text (the CLI)
@@ -162,7 +163,13 @@ def make_policy(setting: object, capacity: int) -> EvictionPolicy[Any]:
     Raises :class:`ConfigError` for a bad setting or a capacity that is not a
     positive int.
     """
-    policy: EvictionPolicy[Any] = resolve_policy(setting).build(capacity)
+    choice = resolve_policy(setting)
+    policy: object = choice.build(capacity)
+    if not isinstance(policy, EvictionPolicy):  # e.g. an admission policy's resolved choice
+        raise ConfigError(
+            f"eviction_policy {choice.label!r} builds a {type(policy).__name__}, which is not an "
+            "EvictionPolicy"
+        )
     return policy
 
 

@@ -325,6 +325,16 @@ class CPUPrimaryTier(BlockGeometry, OffloadingManager):
         if self._closed:
             return
         self._closed = True
+        # Forgotten, so that no lookup answers a hit for a row nobody can read any more;
+        # every row free again (the bookkeeping stays consistent for check_invariants).
+        policy = self._policy
+        for key in self._ready:
+            policy.remove(key)
+        self._ready.clear()
+        self._storing.clear()
+        self._storing_for.clear()
+        self._load_pins.clear()
+        self._free = list(range(self._num_blocks - 1, -1, -1))
         if self._owns_buffer:
             self._buffer.close()
             self._buffer.unlink()
