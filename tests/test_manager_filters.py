@@ -192,3 +192,18 @@ def test_a_bad_identity_is_refused_naming_the_key(entry: dict[str, Any], message
 
     with pytest.raises(ConfigError, match=message):
         create_secondary_tier({"type": "memory", **entry}, make_primary(8).kv_view, position=0)
+
+
+def test_tiers_are_labelled_by_their_configured_names() -> None:
+    """docs/metrics.md: the `tier` label is each secondary tier's name."""
+    from types import SimpleNamespace
+
+    from tiering.manager.state import tier_names
+
+    def tier(kind: str, name: str) -> Any:
+        return SimpleNamespace(tier_type=kind, name=name)
+
+    named = [tier("fs", "nvme0"), tier("fs", "nvme1"), tier("memory", "memory-2")]
+    assert tier_names(named) == ["nvme0", "nvme1", "memory"]  # memory-2: the default name
+    unnamed = [tier("fs", "fs-0"), tier("fs", "fs-1"), tier("redis", "cpu")]
+    assert tier_names(unnamed) == ["fs#0", "fs#1", "cpu#2"]  # "cpu" is the primary's label

@@ -110,10 +110,22 @@ def block_ids_of(spec: LoadStoreSpec) -> BlockIds:
 
 
 def tier_names(tiers: Sequence[SecondaryTierManager]) -> list[str]:
-    """Each tier's label: its type, with ``#position`` where a type appears twice."""
-    types = [t.tier_type for t in tiers]
-    repeated = {t for t in types if types.count(t) > 1}
-    return [f"{t}#{i}" if t in repeated or t == "cpu" else t for i, t in enumerate(types)]
+    """Each tier's label (metrics, stats, the replay report): the ``name`` its entry gives;
+    else its type, with ``#position`` where the type appears twice. A label that would
+    still repeat (or be the primary tier's ``cpu``) gets ``#position`` too."""
+    types = [str(t.tier_type) for t in tiers]
+
+    def label(position: int, tier: SecondaryTierManager) -> str:
+        name = getattr(tier, "name", None)
+        # The registry's default name is "<type>-<position>": unnamed, labelled by type.
+        if isinstance(name, str) and name and name != f"{tier.tier_type}-{position}":
+            return name
+        kind = types[position]
+        return f"{kind}#{position}" if types.count(kind) > 1 else kind
+
+    labels = [label(i, t) for i, t in enumerate(tiers)]
+    repeated = {x for x in labels if labels.count(x) > 1}
+    return [f"{x}#{i}" if x in repeated or x == "cpu" else x for i, x in enumerate(labels)]
 
 
 class ManagerState:
