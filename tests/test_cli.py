@@ -157,6 +157,10 @@ def test_an_unwritable_output_fails_before_reading_the_trace(
     assert main(["sweep", str(trace), "--out", str(missing_dir / "s")]) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "--out" in err and "line 1" not in err
+    # Workload families too: before their sweep, not after it.
+    family = ["sweep", "family:builtin", "--requests", "30", "--no-progress"]
+    assert main([*family, "--out", str(missing_dir / "f")]) == EXIT_BAD_INPUT
+    assert "--out" in capsys.readouterr().err
     # A directory is not a file to write a report into.
     assert main(["replay", "--output", str(tmp_path)]) == EXIT_BAD_INPUT
     assert "is a directory" in capsys.readouterr().err

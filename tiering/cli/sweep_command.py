@@ -209,6 +209,9 @@ def _run_families(
         if name not in labels:
             policies.insert(place, resolve_policy(name))
     workloads = _family_workloads(args, text)
+    for index in range(len(workloads)):  # before the sweep, not after it
+        for ext in ("png", "csv", "json"):
+            check_writable(Path(f"{args.out}-{index}.{ext}"), "--out")
     out, err = consoles()
     stop = threading.Event()
     results: list[Any] = []
