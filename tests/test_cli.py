@@ -145,7 +145,7 @@ def test_an_unreadable_trace_is_bad_input_not_a_traceback(
 
 
 def test_an_unwritable_output_fails_before_reading_the_trace(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     trace = tmp_path / "bad.jsonl"
     trace.write_text("this is not json\n")
@@ -158,6 +158,12 @@ def test_an_unwritable_output_fails_before_reading_the_trace(
     err = capsys.readouterr().err
     assert "--out" in err and "line 1" not in err
     # Workload families too: before their sweep, not after it.
+    from tiering.replay import sweep as sweeping
+
+    def no_sweep(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the sweep ran before --out was checked")
+
+    monkeypatch.setattr(sweeping, "run_sweep", no_sweep)
     family = ["sweep", "family:builtin", "--requests", "30", "--no-progress"]
     assert main([*family, "--out", str(missing_dir / "f")]) == EXIT_BAD_INPUT
     assert "--out" in capsys.readouterr().err
