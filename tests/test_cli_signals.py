@@ -187,3 +187,22 @@ def test_the_temp_dir_is_made_on_first_use_and_removed(tmp_path: Path) -> None:
         os.link(path / OWNER_FILE, other / OWNER_FILE)
         assert remove_stale_dirs(tmp_path) == []
     assert not path.exists()
+
+
+def test_a_signal_while_the_report_is_computed_still_prints_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every request replayed, then SIGTERM: the report, and the signal's status."""
+    import tiering.cli.replay_command as replay_command
+    from tiering.cli import main
+
+    compute = replay_command._replay_report
+
+    def signalled(*args: object, **kwargs: object) -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the command, in this thread
+        return compute(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(replay_command, "_replay_report", signalled)
+    assert main(["replay", "--requests", "30", "--no-progress", "--json"]) == 128 + signal.SIGTERM
+    report = json.loads(capsys.readouterr().out)
+    assert report["stopped_by"] == "SIGTERM" and report["trace"]["requests_replayed"] == 30

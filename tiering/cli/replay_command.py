@@ -97,7 +97,8 @@ def run_replay(args: argparse.Namespace, signals: SignalStop) -> int:
         remove_stale()
         workload = load_workload(args)
         run = _replay_workload(args, workload, err, signals)
-    report = _replay_report(args, workload, run)
+    with signals.clean_stop(threading.Event()):  # a first signal now: the report still prints
+        report = _replay_report(args, workload, run)
     status = replay_exit_status(report, args.max_tier_failures, signals.signum)
     report["ok"] = status == EXIT_OK
     report["exit_status"] = status

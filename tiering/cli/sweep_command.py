@@ -136,7 +136,10 @@ def run_sweep_command(args: argparse.Namespace, signals: SignalStop) -> int:
         )
     admission: list[Any] = []
     if admissions and result.points and not stop.is_set():
-        admission = _admission_sweep(args, workload.requests, result, policies, admissions, stop)
+        with signals.clean_stop(stop):  # a signal stops it; what the policies found is written
+            admission = _admission_sweep(
+                args, workload.requests, result, policies, admissions, stop
+            )
     if result.points:
         sweeping.write_csv(result, outputs["csv"])
         sweeping.write_json(result, outputs["json"], admission)
