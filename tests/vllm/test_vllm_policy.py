@@ -53,3 +53,19 @@ def test_kvaware_runs_vllms_primary_tier_with_evictions(make_manager: Any) -> No
     assert set(policy.policy) == set(policy.chunks)
     checker = PatternChecker()
     assert driver.load("l", keys, checker) == 6 and checker.bad == []
+
+
+def test_a_name_registered_with_vllms_factory_is_left_to_vllm() -> None:
+    """vLLM documents registered names as valid eviction_policy values: ours must be too."""
+    from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+
+    from tiering.integrations.vllm.policy import vllm_cache_policy
+
+    name = "kvtiering_test_registered_lru"
+    CachePolicyFactory.register_cache_policy(
+        name, "vllm.v1.kv_offload.cpu.policies.lru", "LRUCachePolicy"
+    )
+    try:
+        assert vllm_cache_policy({"eviction_policy": name}) == (name, None)
+    finally:
+        CachePolicyFactory._registry.pop(name, None)

@@ -596,3 +596,8 @@ def test_null_runtime_keys_take_the_defaults_inside_vllm(make_manager: Any) -> N
     manager, _ = make_manager([{**entry, "job_timeout_s": None}])
     runtime = tier_of(manager)._runtime
     assert runtime.shutdown_timeout_s == VLLM_SHUTDOWN_TIMEOUT_S and runtime.job_timeout_s == 30
+
+
+def test_max_events_is_checked_even_with_events_off(make_manager: Any) -> None:
+    with pytest.raises(ConfigError, match="max_events"):
+        make_manager([ours("KVTieringMemoryTier", capacity_blocks=8, max_events=-5)])

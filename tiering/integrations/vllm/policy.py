@@ -136,10 +136,22 @@ def vllm_cache_policy(extra_config: Mapping[str, Any]) -> tuple[str, str | None]
     plain_name = isinstance(setting, str) and ":" not in setting and "(" not in setting
     if module_path is None and plain_name and setting.strip().lower() in VLLM_BUILTIN_POLICIES:
         return setting.strip().lower(), None
+    if module_path is None and plain_name and _registered_with_vllm(setting):
+        return setting, None  # a name registered with vLLM's CachePolicyFactory: vLLM's
     if module_path is not None and plain_name and _is_vllm_cache_policy(module_path, setting):
         return setting, module_path
     choice = resolve_policy(setting, module_path=module_path)
     return _publish_adapter(choice), __name__
+
+
+def _registered_with_vllm(name: str) -> bool:
+    """Whether ``name`` is registered with vLLM's ``CachePolicyFactory`` (vLLM resolves it)."""
+    try:
+        from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
+    except ImportError:  # not inside vLLM: only our names
+        return False
+    registry = getattr(CachePolicyFactory, "_registry", None)
+    return isinstance(registry, dict) and name in registry
 
 
 def _is_vllm_cache_policy(module_path: object, name: str) -> bool:

@@ -43,6 +43,7 @@ from tiering.metrics.secondary import SecondaryTierExport
 from tiering.metrics.server import DEFAULT_METRICS_HOST, check_metrics_port, serve_metrics
 from tiering.registry import create_secondary_tier
 from tiering.runtime import AsyncTierManager, TierStats
+from tiering.runtime.options import check_runtime_options
 
 logger = logging.getLogger("tiering.integrations.vllm")
 
@@ -162,6 +163,8 @@ class KVTieringTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is unty
             )
         self._events_enabled = self._events_wanted(enable_kv_events, where)
         if not self._events_enabled:
+            if options.get("max_events") is not None:  # the user's value is still checked
+                check_runtime_options(max_events=options["max_events"])
             options["max_events"] = 0  # nobody takes them: do not keep any
 
         # vLLM's manager promotes every HIT again at once: a block whose read keeps
