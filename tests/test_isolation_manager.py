@@ -379,6 +379,26 @@ def test_a_tier_that_fails_to_open_raises_its_own_exception_and_leaves_no_proces
     assert process_is_gone(pid)
 
 
+class OddError(Exception):
+    """Pickles, but cannot be rebuilt from its args (two required, one given)."""
+
+    def __init__(self, what: str, code: int) -> None:
+        super().__init__(what)
+        self.code = code
+
+
+class OddOpenTier(MemoryTier):
+    async def open(self, context: TierContext) -> None:
+        raise OddError("the medium said no", 7)
+
+
+def test_an_error_that_cannot_be_rebuilt_arrives_described_not_as_a_type_error(
+    host: HostBuffer,
+) -> None:
+    with pytest.raises(RuntimeError, match="OddError: the medium said no"):
+        isolated(OddOpenTier, host)
+
+
 def test_a_failed_start_lets_the_primary_buffer_be_unmapped(
     host: HostBuffer, tmp_path: Path
 ) -> None:

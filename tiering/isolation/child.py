@@ -95,6 +95,12 @@ def serve(spec: ChildSpec, control: Connection, wake: Connection) -> None:
 
 def _send_error(control: Connection, exc: BaseException) -> None:
     try:
+        # An exception that pickles but cannot be rebuilt (an __init__ with other
+        # arguments) would reach the parent as a confusing TypeError: described instead.
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+    try:
         control.send(("error", exc))
     except Exception:
         with contextlib.suppress(OSError):  # OSError: the parent is gone
