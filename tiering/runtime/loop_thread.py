@@ -195,10 +195,21 @@ class LoopThread:
                 self.name,
                 timeout_s,
             )
+            # The portal's exit joins the thread: run it only once the thread has ended,
+            # from a daemon reaper. Left to the garbage collector it would run wherever
+            # the last reference dies - in the loop thread itself ("cannot join current
+            # thread"), or blocking another thread on the wedged loop.
+            threading.Thread(target=self._reap, name=f"{self.name}-reaper", daemon=True).start()
             return
         self._portal_cm.__exit__(None, None, None)  # the thread has ended: returns at once
         for worker in _anyio_workers_of(self._loop):
             worker.join(max(0.0, deadline - time.monotonic()))
+
+    def _reap(self) -> None:
+        """Exit the portal once a thread left running has ended (waits as long as it takes)."""
+        self._thread.join()
+        with contextlib.suppress(Exception):
+            self._portal_cm.__exit__(None, None, None)
 
     async def _finalize(self, timeout_s: float) -> None:
         """Cancel every task but the portal's, then shut down async generators and the executor."""
