@@ -473,6 +473,8 @@ def test_tier_failures_are_named_in_the_printed_report(capsys: pytest.CaptureFix
     assert main(["replay", *SMALL, "--cpu-bytes", "512KiB", "--tier", tier]) == EXIT_TIER_FAILURES
     out = " ".join(capsys.readouterr().out.split())
     assert "more than --max-tier-failures 0: exit status 3" in out
+    # What the count adds up, as tier_failure_count and --help say.
+    assert "not counting routine misses, + tier timeouts + corrupt reads" in out
 
 
 def test_the_status_stands_when_the_output_is_piped_into_head(

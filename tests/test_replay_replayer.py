@@ -173,10 +173,15 @@ def test_stores_refused_while_cascades_pin_the_cpu_tier_wait_for_them_or_are_dro
     }
     impatient, _ = replay(config, requests, store_wait_s=0)
     assert impatient.store_rejected_blocks > 0 and not impatient.store_stalls.samples
-    patient, _ = replay(config, requests, store_wait_s=30)
+    assert impatient.retried_refusal_blocks == 0
+    with stack_for(config) as stack:
+        patient = Replayer(stack, gpu_blocks=0, store_wait_s=30).run(requests)
+        refused = stack.stats().primary.dropped  # the manager counts every refusal
     assert patient.store_rejected_blocks == 0 and patient.store_stalls.samples
     assert patient.blocks_stored > impatient.blocks_stored
     assert patient.mismatches == impatient.mismatches == 0
+    # Each refusal the replay retried is one the report must not count as dropped.
+    assert refused > 0 and refused - patient.retried_refusal_blocks == 0
 
 
 def test_a_stop_request_ends_the_run_early_and_cleanly() -> None:

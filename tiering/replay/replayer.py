@@ -379,6 +379,7 @@ class Replayer:
         deadline = start + self.store_wait_s
         pause = _POLL_SLEEP_MIN_S
         output: PrepareStoreOutput | None = None
+        refusals = 1  # the one that brought us here
         while perf() < deadline and self.stack.stats().jobs_in_flight:
             time.sleep(pause)
             pause = min(pause * 2, _POLL_SLEEP_MAX_S)
@@ -386,6 +387,9 @@ class Replayer:
             output = self.stack.manager.prepare_store(keys, NO_CONTEXT)
             if output is not None:
                 break
+            refusals += 1
+        # Counted as dropped by the manager each time; at most one of them was a drop.
+        totals.retried_refusal_blocks += len(keys) * (refusals - (output is None))
         waited = perf() - start
         totals.store_stalls.add(waited)
         totals.clock.add(PHASE_STORE_STALL, waited)

@@ -148,6 +148,9 @@ def build_report(
             "medium": stats.primary.medium,
             **place(CPU),
             **_tier_stats_json(stats.primary, block_bytes),
+            # A refused store the replay retried (and stored, or refused once more) is
+            # counted once, as the blocks the engine kept on the GPU only.
+            "dropped_blocks": stats.primary.dropped - totals.retried_refusal_blocks,
             "loaded_to_gpu_blocks": totals.blocks_loaded,
             "loaded_to_gpu_bytes": totals.blocks_loaded * block_bytes,
         },

@@ -111,8 +111,9 @@ def verdicts(report: Mapping[str, Any]) -> list[Text]:
     if tier_failures is not None and tier_failures["exceeded"]:
         lines.append(
             Text(
-                f"Tier failures: {tier_failures['count']:,} (failed tier jobs + missing reads + "
-                f"tier timeouts), more than --max-tier-failures {tier_failures['max_allowed']:,}: "
+                f"Tier failures: {tier_failures['count']:,} (failed tier jobs, not counting "
+                "routine misses, + tier timeouts + corrupt reads), more than "
+                f"--max-tier-failures {tier_failures['max_allowed']:,}: "
                 f"exit status {report.get('exit_status', 3)}.",
                 style="bold yellow",
             )

@@ -58,6 +58,9 @@ class ReplayTotals:
     blocks_loaded: int = 0  # CPU -> GPU
     blocks_promoted_used: int = 0  # promoted from a secondary tier and loaded
     store_rejected_blocks: int = 0  # prepare_store returned None
+    # The manager counts each refused prepare_store as dropped; the replay retries a
+    # refused chunk while tier jobs free rows: these refusals dropped nothing.
+    retried_refusal_blocks: int = 0
     promotion_timeouts: int = 0  # blocks still in flight at the promotion timeout
     lost_before_load: int = 0  # answered True, gone by the time of prepare_load
     load_errors: int = 0  # prepare_load refused blocks the lookup found
