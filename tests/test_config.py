@@ -493,3 +493,11 @@ def test_byte_sizes_take_units_in_every_config_of_ours() -> None:
         }
     )
     assert config.cpu_bytes_to_use == 8 << 20
+
+
+@pytest.mark.parametrize(
+    "key", ["shutdown_timeout_s", "failed_promotion_backoff_s", "cascade_max_pinned_fraction"]
+)
+def test_an_integer_beyond_any_float_is_a_config_error_naming_the_key(key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        TieringConfig.from_extra_config({"cpu_bytes_to_use": "1MiB", key: 10**400})

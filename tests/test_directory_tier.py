@@ -235,3 +235,28 @@ async def test_evicting_a_key_being_rewritten_leaves_its_new_file_alone(
     new = await rewriting
     await other
     assert await _read(tier, key(1)) == new
+
+
+async def test_a_read_whose_key_is_evicted_meanwhile_still_returns_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write of another key may evict this one while its file is read: the read got the
+    bytes, and must not fail with a bare KeyError afterwards."""
+    import tiers.directory as directory
+
+    tier = await _opened(tmp_path)
+    try:
+        k = key(1)
+        await tier.write(k, memoryview(b"\x07" * tier.block_bytes))
+        read_file = directory._read_block_file
+
+        def evicted_while_reading(*args: Any) -> Any:
+            tier._index.pop(k, None)  # as a concurrent write's eviction does
+            return read_file(*args)
+
+        monkeypatch.setattr(directory, "_read_block_file", evicted_while_reading)
+        into = bytearray(tier.block_bytes)
+        await tier.read(k, memoryview(into))
+        assert into == b"\x07" * tier.block_bytes
+    finally:
+        await tier.aclose()

@@ -211,3 +211,15 @@ async def test_both_bulk_copy_paths_round_trip(mode: str) -> None:
         assert [bytes(b) for b in into] == [bytes(block(i)) for i in range(40)]
     finally:
         bulk._reset_for_tests(None)
+
+
+async def test_a_bounded_tier_refuses_writes_after_aclose() -> None:
+    """Its arena is unmapped by then: a copy into it crashed the process."""
+    from tiering.core.errors import TierClosedError
+
+    tier = MemoryTier(capacity_blocks=4)
+    await tier.open(TierContext(block_bytes=4096))
+    await tier.write(key(1), memoryview(bytearray(4096)))
+    await tier.aclose()
+    with pytest.raises(TierClosedError):
+        await tier.write(key(2), memoryview(bytearray(4096)))

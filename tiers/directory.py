@@ -200,7 +200,8 @@ class DirectoryTier(AsyncTier):
             raise BlockNotFound(key)
         problem = await self.run_in_thread(_read_block_file, self._path(key), key, into)
         if problem is None:
-            self._index.move_to_end(key)
+            if key in self._index:  # a write of another key may have evicted it meanwhile
+                self._index.move_to_end(key)
             return
         self._index.pop(key, None)
         if problem == _MISSING:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tiering.copy.bulk import copy_regions
+from tiering.core.errors import TierClosedError
 from tiering.core.keys import OffloadKey
 from tiering.primary.mappings import private_anonymous
 
@@ -117,6 +118,8 @@ class ArenaStore(CopyQueue):
         return True
 
     def put(self, key: OffloadKey, source: int, data: memoryview) -> None:
+        if self._map is None:  # closed: the arena is unmapped, a copy into it would crash
+            raise TierClosedError("memory tier is closed")
         slot = self._slots.get(key)
         if slot is None:
             if self._free:

@@ -144,12 +144,20 @@ def _store_threshold(extra: Mapping[str, Any]) -> int:
     return number
 
 
+def _finite(value: object) -> bool:
+    """Whether ``value`` is an int or float with a finite float value (10**400 is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
 def _seconds(extra: Mapping[str, Any], key: str, default: float, *, positive: bool) -> float:
     value = _get(extra, key, default)
     if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
+        not _finite(value)
         or value < 0
         or (positive and value == 0)
     ):
@@ -162,12 +170,7 @@ def pinned_fraction(extra: Mapping[str, Any]) -> float:
     """``cascade_max_pinned_fraction``: a number in (0, 1] (raises naming the key)."""
     key = "cascade_max_pinned_fraction"
     value = _get(extra, key, DEFAULT_CASCADE_MAX_PINNED_FRACTION)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 < value <= 1
-    ):
+    if not _finite(value) or not 0 < value <= 1:
         raise ConfigError(
             f"{key} must be a number in (0, 1] (the share of the CPU primary tier one "
             f"secondary tier's cascades in flight may pin), got {shown(value)}"

@@ -17,6 +17,7 @@ from typing import TypedDict
 from tiering.core.errors import ConfigError
 from tiering.runtime.affinity import check_cpus
 from tiering.runtime.gil_handoff import DEFAULT_MAX_GIL_HOLD_S
+from tiering.support.quoting import shown
 
 #: ``max_gil_hold_ms``'s default.
 DEFAULT_MAX_GIL_HOLD_MS = DEFAULT_MAX_GIL_HOLD_S * 1e3
@@ -103,7 +104,7 @@ def check_runtime_options(**options: object) -> None:
             # Finite and bounded: deadlines are loop times (inf never returns, 1e10 overflows).
             raise ConfigError(
                 f"{option} must be a positive number of seconds up to {MAX_SECONDS:g} "
-                f"(a week), got {value!r}"
+                f"(a week), got {shown(value)}"
             )
     if (
         not isinstance(failed_load_backoff_s, (int, float))
