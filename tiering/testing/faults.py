@@ -219,14 +219,19 @@ class FaultyTier(AsyncTier):
         Cancellation: as the inner tier's (``into`` may be partly written).
         """
         await self._before("read", key)
-        await self.inner.read(key, into)
         plan = self.plan
-        if not plan.covers("read", key) or len(into) == 0:
+        covered = plan.covers("read", key) and len(into) > 0
+        # Drawn before the read (the same draws, in the same order, as after it): a short
+        # read leaves the tail as it was, the row's previous bytes, not zeros.
+        short = covered and self._hit(plan.short_read_rate)
+        kept = self._random.randrange(len(into)) if short else 0
+        stale = bytes(into[kept:]) if short else b""
+        await self.inner.read(key, into)
+        if not covered:
             return
-        if self._hit(plan.short_read_rate):
+        if short:
             self.injected["short_read:read"] += 1
-            kept = self._random.randrange(len(into))
-            into[kept:] = bytes(len(into) - kept)
+            into[kept:] = stale
             if plan.detect:
                 raise CorruptBlock(key, f"short read: {kept} of {len(into)} bytes")
         elif self._hit(plan.corrupt_rate):
