@@ -156,11 +156,7 @@ def _finite(value: object) -> bool:
 
 def _seconds(extra: Mapping[str, Any], key: str, default: float, *, positive: bool) -> float:
     value = _get(extra, key, default)
-    if (
-        not _finite(value)
-        or value < 0
-        or (positive and value == 0)
-    ):
+    if not _finite(value) or value < 0 or (positive and value == 0):
         kind = "a positive" if positive else "a non-negative"
         raise ConfigError(f"{key} must be {kind} finite number of seconds, got {shown(value)}")
     return float(value)

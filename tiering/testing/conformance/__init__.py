@@ -65,6 +65,8 @@ The checks (:data:`CHECKS`, in order):
 ``close_idempotent``      ``aclose`` twice is no error.
 ``persistence``           (with ``persistent=True``) blocks written before
                           ``aclose`` are listed and readable by a new tier.
+``layouts_kept_apart``    (with ``persistent=True``) a tier opened under another
+                          layout fingerprint never lists, contains or serves them.
 ``loop_not_blocked``      sampled with a 1 ms ticker, no kind of operation holds
                           the event loop past ``max_loop_lag_s`` (25 ms) in nearly
                           all of its calls while idle control turns do not.

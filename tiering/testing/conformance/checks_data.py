@@ -10,9 +10,10 @@ hash-slot collisions.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 
-from tiering.core.errors import BlockNotFound, PartialBatchError
+from tiering.core.errors import BlockNotFound, CorruptBlock, PartialBatchError
 from tiering.testing.conformance.kit import Kit, Skip, TrackedTier, gather_all, show_key
 
 #: Keys per check that verifies bytes: a tier corrupting half its keys passes with p = 2**-32.
@@ -200,6 +201,39 @@ async def persistence(kit: Kit) -> None:
         await kit.verify_all(again, keys, blocks)
     finally:
         await again.aclose()
+
+
+async def layouts_kept_apart(kit: Kit) -> None:
+    """(``persistent=True``) blocks written under one layout fingerprint are never listed,
+    contained or served by a tier opened under another (another model's KV bytes)."""
+    if not kit.options.persistent:
+        raise Skip("the tier is not declared persistent (KitOptions.persistent)")
+    tier = await kit.new_tier()
+    try:
+        keys = kit.keys(kit.within_capacity(tier, 4))
+        await kit.write_all(tier, keys, [kit.data(k) for k in keys])
+    finally:
+        await tier.aclose()
+    other = await kit.new_tier(open_it=False)
+    fingerprint = f"{kit.options.layout_fingerprint}-another-layout"
+    await other.open(dataclasses.replace(kit.context(), layout_fingerprint=fingerprint))
+    try:
+        listed = set(await other.list_keys())
+        for key in keys:
+            if key in listed or await other.contains(key):
+                raise kit.fail(
+                    f"key {show_key(key)}: written under another layout fingerprint, "
+                    "listed or contained under this one"
+                )
+            try:
+                await other.read(key, memoryview(bytearray(kit.options.block_bytes)))
+            except (BlockNotFound, CorruptBlock):
+                continue
+            raise kit.fail(
+                f"key {show_key(key)}: bytes written under another layout fingerprint served"
+            )
+    finally:
+        await other.aclose()
 
 
 @with_tier

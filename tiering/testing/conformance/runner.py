@@ -45,6 +45,7 @@ CHECKS: dict[str, Callable[[Kit], Awaitable[None]]] = {
     "touch_and_list": checks_data.touch_and_list,
     "close_idempotent": checks_data.close_idempotent,
     "persistence": checks_data.persistence,
+    "layouts_kept_apart": checks_data.layouts_kept_apart,
     "loop_not_blocked": runtime_checks.loop_not_blocked,
     "deadline_through_facade": runtime_checks.deadline_through_facade,
 }
