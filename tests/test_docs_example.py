@@ -34,7 +34,7 @@ async def test_the_opening_tier_is_short_and_passes_the_kit() -> None:
     assert report.ok, str(report)
     # Not persistent, not bounded, no delete: those checks are skipped, nothing else.
     skipped = [o.name for o in report.outcomes if o.skipped]
-    assert skipped == ["delete", "eviction_reported", "persistence"]
+    assert skipped == ["delete", "eviction_reported", "persistence", "layouts_kept_apart"]
 
 
 async def test_the_directory_tier_passes_the_kit_including_persistence(tmp_path: Path) -> None:
