@@ -223,3 +223,24 @@ async def test_a_bounded_tier_refuses_writes_after_aclose() -> None:
     await tier.aclose()
     with pytest.raises(TierClosedError):
         await tier.write(key(2), memoryview(bytearray(4096)))
+
+
+async def test_a_batch_over_the_capacity_reports_only_the_blocks_it_no_longer_holds() -> None:
+    """A is evicted by the batch's first writes, then written again by its last one: held,
+    so never reported removed (contains() and the removals must agree)."""
+    tier = MemoryTier(capacity_blocks=2)
+    removed: list[OffloadKey] = []
+    tier._bind_removed_sink(removed.extend)
+    await tier.open(TierContext(block_bytes=64))
+    a, b, c, d = (OffloadKey(bytes([letter]) * 8) for letter in b"ABCD")
+    await tier.write(a, memoryview(b"a" * 64))
+    await tier.write_many([b, c, d, a], [memoryview(bytes([x]) * 64) for x in b"bcda"])
+    held = set(await tier.list_keys())
+    assert held == {d, a}
+    assert not held & set(removed) and set(removed) == {b, c}
+
+
+async def test_a_capacity_no_machine_has_is_a_config_error_naming_it() -> None:
+    tier = MemoryTier(capacity_blocks=10**15)
+    with pytest.raises(ConfigError, match="capacity_blocks=1000000000000000"):
+        await tier.open(TierContext(block_bytes=1 << 20))

@@ -104,7 +104,13 @@ class MemoryTier(AsyncTier):
         self._store = HeapStore(context.block_bytes)
         if self.capacity_blocks is not None:
             self._policy = self._policy_choice.build(self.capacity_blocks)
-            self._store = ArenaStore(self.capacity_blocks, context.block_bytes)
+            try:
+                self._store = ArenaStore(self.capacity_blocks, context.block_bytes)
+            except OverflowError:  # more bytes than any mapping can have
+                raise ConfigError(
+                    f"capacity_blocks={self.capacity_blocks} of {context.block_bytes} bytes is "
+                    "more memory than this machine can map"
+                ) from None
 
     @property
     def num_blocks(self) -> int:
@@ -251,7 +257,7 @@ class MemoryTier(AsyncTier):
                 succeeded.extend(queued)
                 queued = []
                 if evicted:  # report before yielding: lookups must not outlive the block
-                    self.report_removed(evicted)
+                    self._report_gone(evicted)
                     evicted = []
                 await asyncio.sleep(0)
             try:
@@ -267,9 +273,17 @@ class MemoryTier(AsyncTier):
         self._flush(queued, errors, writing=writing)
         succeeded.extend(queued)
         if evicted:
-            self.report_removed(evicted)
+            self._report_gone(evicted)
         if errors:
             raise PartialBatchError(succeeded, cast(dict[bytes, BaseException], errors))
+
+    def _report_gone(self, evicted: list[OffloadKey]) -> None:
+        """Report the victims no longer held: a batch over the capacity may have written a
+        victim again after evicting it (that block is held, not removed)."""
+        store = self._store
+        gone = [key for key in dict.fromkeys(evicted) if key not in store]
+        if gone:
+            self.report_removed(gone)
 
     def _make_room(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         """Evict, in one policy call, room for the new keys of a batch (not its own keys).
