@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -271,3 +272,25 @@ def test_block_ids_of_any_int_list_are_those_ints_or_an_error(values: list[int])
         return
     for form in (values, tuple(values), np.array(values, dtype=np.int64)):
         assert as_block_ids(form).tolist() == values
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: CPULoadStoreSpec([1, True]), "got a bool"),
+        (lambda: GPULoadStoreSpec([7, 8], group_sizes=[1.5, 1.5]), "group_sizes must be integers"),
+        (lambda: GPULoadStoreSpec([7, 8], group_sizes=["1", "1"]), "group_sizes must be integers"),
+        (lambda: GPULoadStoreSpec([7], block_indices=[2.9]), "block_indices must be integers"),
+        (lambda: GPULoadStoreSpec([7], block_indices=[True]), "block_indices must be integers"),
+    ],
+)
+def test_values_that_are_not_integers_are_refused_not_truncated(
+    build: Callable[[], object], message: str
+) -> None:
+    with pytest.raises(TypeError, match=message):
+        build()
+
+
+def test_numpy_integers_are_integers() -> None:
+    spec = GPULoadStoreSpec([7, 8], group_sizes=[np.int64(1), np.int32(1)], block_indices=[0, 3])
+    assert spec.group_sizes == (1, 1) and spec.block_indices == (0, 3)

@@ -55,6 +55,14 @@ def as_block_ids(block_ids: Sequence[int] | npt.ArrayLike, what: str = "block_id
             return _frozen_small(block_ids)
         except struct.error:
             pass  # an int beyond int64: the general path names it
+    elif (
+        isinstance(block_ids, (list, tuple))
+        and len(block_ids) <= _SMALL
+        and any(isinstance(i, (bool, np.bool_)) for i in block_ids)
+    ):
+        # numpy reads [1, True] as [1, 1]. Checked where it is cheap (a longer list would
+        # pay a Python loop on the scheduler's path; numpy refuses a list of bools alone).
+        raise TypeError(f"{what} must be integers, got a bool in {list(block_ids)!r}")
     raw = np.asarray(block_ids)
     if raw.size and (
         raw.dtype.kind not in "iu" or (raw.dtype.kind == "u" and int(raw.max()) > _INT64_MAX)
@@ -193,7 +201,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         block_indices: Sequence[int] | None = None,
     ) -> None:
         super().__init__(block_ids)
-        sizes = None if group_sizes is None else tuple(int(s) for s in group_sizes)
+        sizes = None if group_sizes is None else _ints(group_sizes, "group_sizes")
         if sizes is not None:
             if any(s < 0 for s in sizes):
                 raise ValueError(f"group_sizes must be non-negative, got {list(sizes)}")
@@ -201,7 +209,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
                 raise ValueError(
                     f"sum(group_sizes)={sum(sizes)} must equal len(block_ids)={len(self)}"
                 )
-        indices = None if block_indices is None else tuple(int(i) for i in block_indices)
+        indices = None if block_indices is None else _ints(block_indices, "block_indices")
         if indices is not None:
             num_groups = 1 if sizes is None else len(sizes)
             if len(indices) != num_groups:
@@ -224,3 +232,14 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
             return [self.block_ids]
         bounds = np.cumsum((0, *self.group_sizes))
         return [self.block_ids[a:b] for a, b in itertools.pairwise(bounds.tolist())]
+
+
+def _ints(values: Sequence[int], what: str) -> tuple[int, ...]:
+    """``values`` as ints; ``TypeError`` for anything else (int() truncated 1.5 and parsed
+    '1'). numpy integers are ints."""
+    out = []
+    for value in values:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{what} must be integers, got {value!r}")
+        out.append(int(value))
+    return tuple(out)
