@@ -62,6 +62,10 @@ def test_reads_gzipped_traces(tmp_path: Path) -> None:
             '{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2, 3]}',
             "'hash_ids' has 3 blocks but input_length 600 fills at most 2 blocks",
         ),
+        (
+            '{"timestamp": 0, "input_length": 1536, "hash_ids": [1, 1, 3]}',
+            "'hash_ids' names block 1 twice",
+        ),
     ],
 )
 def test_a_malformed_line_names_its_number_and_problem(

@@ -107,6 +107,19 @@ def parse_request(record: object, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> R
             raise ValueError(f"'hash_ids'[{position}] must be an integer, got {hash_id!r}")
         if not 0 <= hash_id <= _MAX_HASH_ID:
             raise ValueError(f"'hash_ids'[{position}] must be in [0, 2**64), got {hash_id}")
+    if len(set(raw_ids)) != len(raw_ids):
+        # An id names a whole prefix: one prefix cannot be two lengths of one request.
+        # (Belady's optimum would then not bound the policies.)
+        seen: set[int] = set()
+        twice = 0
+        for twice in raw_ids:
+            if twice in seen:
+                break
+            seen.add(twice)
+        raise ValueError(
+            f"'hash_ids' names block {twice} twice: equal ids mean equal prefixes, so one "
+            "request cannot repeat one"
+        )
     needed = -(-input_length // block_tokens)
     if len(raw_ids) > needed:
         raise ValueError(
