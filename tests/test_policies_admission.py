@@ -164,3 +164,14 @@ def test_replay_command_takes_a_cascade_admission(
     assert main([*args, "--cascade-admission", "reuse", "--eviction-policy", "kvaware"]) == 0
     setup = json.loads(report.read_text())["setup"]
     assert (setup["cascade_admission"], setup["eviction_policy"]) == ("reuse", "kvaware")
+
+
+def test_a_request_never_hits_more_blocks_than_the_cpu_tier_holds() -> None:
+    """Every loaded block is pinned in the CPU tier at once: with one block of it, a request
+    hits at most one block, however many the secondary tier holds."""
+    from tiering.replay.trace import Request
+
+    requests = [Request(0.0, 1536, 0, (1, 2, 3)), Request(0.0, 1536, 0, (1, 2, 3))]
+    result = simulate_stack(requests, 1, 4, "lru", "all", store_chunk_blocks=1)
+    assert result.primary_hit_blocks + result.secondary_hit_blocks <= 1
+    assert result.hits.hit_tokens <= 512

@@ -221,6 +221,8 @@ def simulate_stack(
         hits = 0
         promoted: list[int] = []
         for hash_id in ids:
+            if hits == primary_blocks:  # every block loaded is pinned in the CPU tier at once
+                break
             if hash_id in primary:
                 primary_hits += 1
             elif hash_id in secondary:
