@@ -124,10 +124,13 @@ def test_manager_cascades_only_admitted_blocks_and_used_ones_late() -> None:
 def test_stack_simulation_reaches_the_ceiling_and_reuse_writes_less() -> None:
     requests = SyntheticWorkload(num_requests=200).generate()
     footprint = trace_footprint(requests)
-    everything = simulate_stack(requests, 20, footprint, "lru", "all")
-    assert everything.hits == unlimited_hit_rate(requests)  # nothing is ever lost below
+    # A CPU tier that holds the longest request (each request's hits are pinned there
+    # at once) and a secondary tier that holds everything: nothing is ever lost below.
+    longest = max(len(r.hash_ids) for r in requests)
+    everything = simulate_stack(requests, longest, footprint, "lru", "all")
+    assert everything.hits == unlimited_hit_rate(requests)
     assert everything.blocks_written == footprint  # every distinct block written once
-    reuse = simulate_stack(requests, 20, footprint, "kvaware", "reuse")
+    reuse = simulate_stack(requests, longest, footprint, "kvaware", "reuse")
     assert reuse.blocks_written < everything.blocks_written
     assert reuse.hits.hit_tokens <= everything.hits.hit_tokens
     points = run_admission_sweep(requests, [20, 40], policies=["lru"], admissions=["all", "reuse"])
