@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,23 +93,35 @@ async def test_cluster_down_at_start_fails_clearly() -> None:
     await tier.aclose()
 
 
+def cluster_tier(cluster: RedisClusterServers, **settings: Any) -> Any:
+    """A tier on ``cluster`` that gives up on a dead node quickly."""
+    return opened_tier(
+        cluster.url,
+        cluster=True,
+        connect_timeout_s=0.5,
+        reconnect_interval_s=0.05,
+        max_reconnect_interval_s=0.2,
+        **settings,
+    )
+
+
+async def stored_on_nodes(
+    tier: RedisTier, cluster: RedisClusterServers, keys: list[Any], blocks: list[bytearray]
+) -> set[Any]:
+    """Store ``blocks``; the keys the third node holds."""
+    await tier.write_many(keys, views(blocks))
+    with cluster.nodes[2].client() as raw:
+        held = set(raw.keys("*"))
+    return {k for k in keys if tier._require_layout().redis_key(k) in held}
+
+
 async def test_cluster_node_restart_fails_its_keys_cleanly_then_recovers(tmp_path: Path) -> None:
     cluster = RedisClusterServers(tmp_path).start()
     try:
         async with asyncio.timeout(60):
-            async with opened_tier(
-                cluster.url,
-                cluster=True,
-                op_timeout_s=1,
-                connect_timeout_s=0.5,
-                reconnect_interval_s=0.05,
-                max_reconnect_interval_s=0.2,
-            ) as tier:
+            async with cluster_tier(cluster, op_timeout_s=1) as tier:
                 keys, blocks = new_keys(30), new_blocks(30)
-                await tier.write_many(keys, views(blocks))
-                with cluster.nodes[2].client() as raw:
-                    held = set(raw.keys("*"))
-                on_victim = {k for k in keys if tier._require_layout().redis_key(k) in held}
+                on_victim = await stored_on_nodes(tier, cluster, keys, blocks)
                 assert on_victim and len(on_victim) < 30
 
                 cluster.nodes[2].kill()
@@ -169,20 +182,9 @@ async def test_a_dead_node_never_fails_the_healthy_nodes_keys_in_later_loads(
     cluster = RedisClusterServers(tmp_path).start()
     try:
         async with asyncio.timeout(60):
-            async with opened_tier(
-                cluster.url,
-                cluster=True,
-                block_bytes=block,
-                op_timeout_s=2,
-                connect_timeout_s=0.5,
-                reconnect_interval_s=0.05,
-                max_reconnect_interval_s=0.2,
-            ) as tier:
+            async with cluster_tier(cluster, block_bytes=block, op_timeout_s=2) as tier:
                 keys, blocks = new_keys(48), new_blocks(48, block)
-                await tier.write_many(keys, views(blocks))
-                with cluster.nodes[2].client() as raw:
-                    held = set(raw.keys("*"))
-                on_victim = {k for k in keys if tier._require_layout().redis_key(k) in held}
+                on_victim = await stored_on_nodes(tier, cluster, keys, blocks)
                 cluster.nodes[2].kill()
                 for _ in range(4):
                     out = [bytearray(block) for _ in keys]

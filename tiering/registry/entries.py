@@ -47,23 +47,9 @@ FRAMEWORK_KEYS = (
     "locality",
     "enable_kv_events",
 )
-#: Framework keys whose JSON ``null`` means "the default" (for the others null has a
-#: meaning of its own: ``max_gil_hold_ms`` off, ``cpus`` not pinned, ``verify`` automatic).
-NULL_MEANS_DEFAULT = frozenset(
-    {
-        "job_timeout_s",
-        "open_timeout_s",
-        "shutdown_timeout_s",
-        "cancel_grace_s",
-        "shared_absent_ttl_s",
-        "shared_present_ttl_s",
-        "shared_max_known_keys",
-        "max_events",
-        "failed_load_backoff_s",
-        "gc_handoff",
-        "isolation",
-    }
-)
+#: Framework keys whose JSON ``null`` means "the default": all but those where null has a
+#: meaning of its own (``verify`` automatic, ``cpus`` not pinned, ``max_gil_hold_ms`` off).
+NULL_MEANS_DEFAULT = frozenset(FRAMEWORK_KEYS[3:]) - {"verify", "cpus", "max_gil_hold_ms"}
 #: The framework keys passed on to the tier's runtime manager as keywords.
 MANAGER_OPTIONS = FRAMEWORK_KEYS[3 : FRAMEWORK_KEYS.index("isolation")]
 #: Where a tier's event loop may run (the ``isolation`` key).
