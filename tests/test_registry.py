@@ -323,3 +323,17 @@ def test_null_means_the_default_for_the_runtime_keys(
     )
     created.append(manager)
     assert manager.job_timeout_s == 30 and manager.shutdown_timeout_s == 10
+
+
+def test_null_means_the_default_for_a_tiers_own_options(
+    view: memoryview, created: list[AsyncTierManager], tmp_path: Any
+) -> None:
+    manager = create_secondary_tier(
+        {"type": "memory", "eviction_policy": None, "capacity_blocks": 3}, view, position=0
+    )
+    created.append(manager)
+    assert isinstance(manager.tier, MemoryTier)
+    manager = create_secondary_tier(
+        {"type": "directory", "root_dir": str(tmp_path), "fsync": None}, view, position=1
+    )
+    created.append(manager)

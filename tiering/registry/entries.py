@@ -56,6 +56,16 @@ MANAGER_OPTIONS = FRAMEWORK_KEYS[3 : FRAMEWORK_KEYS.index("isolation")]
 ISOLATION_MODES = ("thread", "process")
 
 
+def _options_with_defaults(tier_class: type[AsyncTier]) -> set[str]:
+    """The keyword names of ``tier_class``'s constructor that have a default."""
+    return {
+        param.name
+        for param in inspect.signature(tier_class).parameters.values()
+        if param.default is not inspect.Parameter.empty
+        and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+    }
+
+
 def tier_options(tier_class: type[AsyncTier]) -> tuple[list[str], list[str], bool]:
     """``(accepted, required, takes_any)`` keyword names of ``tier_class``'s constructor."""
     signature = inspect.signature(tier_class)
@@ -141,6 +151,10 @@ def check_tier_config(
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
     options = {k: v for k, v in config.items() if k not in FRAMEWORK_KEYS}
+    # JSON null means the default (docs/configuration.md): an option the constructor has
+    # a default for is left out rather than passed as None.
+    defaulted = _options_with_defaults(tier_class)
+    options = {k: v for k, v in options.items() if v is not None or k not in defaulted}
     accepted, required, takes_any = tier_options(tier_class)
     if not takes_any:
         for key in options:
