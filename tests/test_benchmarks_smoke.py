@@ -196,9 +196,9 @@ SMOKES: dict[str, Smoke] = {
     "gpu_copy": Smoke(
         (
             r"^device: simulated ",
-            r"^\s+ours/auto\s+2 MiB\s+store\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+%",
+            r"^\s+ours/auto\s+2 MiB\s+store\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+%",
             r"^verdict: ours/auto 2 MiB store at \d+% of pinned cudaMemcpyAsync, "
-            r"on-GPU \d+% \(target >= 80%\): (ok|BELOW)$",
+            r"on-GPU \d+%, 4 jobs in flight \d+% \(target >= 80%\): (ok|BELOW)$",
             r"^verdict: ours/auto 2 MiB load at \d+% of pinned cudaMemcpyAsync, on-GPU ",
             r"^verdict: ours/auto vs vLLM's worker at 32 x 16 KiB load: n/a \(",
         ),

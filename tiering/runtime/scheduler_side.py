@@ -29,7 +29,7 @@ from tiering.core.keys import OffloadKey, ReqContext
 from tiering.runtime.options import primary_geometry
 from tiering.runtime.presence import Presence
 from tiering.runtime.service_state import _Job
-from tiering.runtime.stats import TierCounters, TierStats
+from tiering.runtime.stats import TierCounters, TierStats, tier_stats
 from tiering.runtime.young_gc import young_collection_due
 
 _NOTHING: tuple[JobResult, ...] = ()
@@ -287,6 +287,10 @@ class SchedulerSide(SecondaryTierManager):
             raise TierClosedError(f"tier {self.name} is shut down")
         if self._offer_collection is not None and young_collection_due():
             self._offer_collection()
+        return self._collect()
+
+    def _collect(self) -> Sequence[JobResult]:
+        """The results waiting (held back, then published), each delivered once."""
         taken = self._take_results()
         if self._ready:
             finished = [*self._ready, *taken]
@@ -382,36 +386,16 @@ class SchedulerSide(SecondaryTierManager):
 
     def stats(self) -> TierStats:
         """An immutable snapshot of this tier's counters (also after shutdown)."""
-        counters = self._counters()
         capacity = self._capacity_blocks()
-        submitted = self._store_jobs + self._load_jobs
-        return TierStats(
+        return tier_stats(
+            self._counters(),
             name=self.name,
             tier_type=self.tier_type,
             blocks_held=len(self._present),
             capacity_blocks=capacity if isinstance(capacity, int) else None,
-            jobs_submitted=submitted,
-            store_jobs_submitted=self._store_jobs,
-            load_jobs_submitted=self._load_jobs,
-            jobs_succeeded=counters.jobs_succeeded,
-            jobs_failed=counters.jobs_failed,
-            jobs_in_flight=max(0, submitted - counters.jobs_succeeded - counters.jobs_failed),
-            blocks_stored=counters.blocks_stored,
-            blocks_loaded=counters.blocks_loaded,
-            bytes_stored=counters.bytes_stored,
-            bytes_loaded=counters.bytes_loaded,
-            store_seconds=counters.store_seconds,
-            load_seconds=counters.load_seconds,
-            timeouts=counters.timeouts,
-            corrupt_reads=counters.corrupt_reads,
-            missing_reads=counters.missing_reads,
-            abandoned_jobs=counters.abandoned_jobs,
-            blocks_removed=counters.blocks_removed,
-            events_dropped=counters.events_dropped,
+            store_jobs=self._store_jobs,
+            load_jobs=self._load_jobs,
             closed=self._closed,
-            store_seconds_counts=tuple(counters.store_seconds_counts),
-            load_seconds_counts=tuple(counters.load_seconds_counts),
-            parts_out_of_service=counters.parts_out_of_service,
         )
 
     def shutdown(self) -> None:
@@ -433,18 +417,10 @@ class SchedulerSide(SecondaryTierManager):
 
     def results_after_shutdown(self) -> list[JobResult]:
         """Results not collected before :meth:`shutdown`, with those of the jobs it drained
-        or cancelled: for the owner's final accounting. Never blocks; each result once.
-
-        Raises :class:`~tiering.core.errors.ContractError` before shutdown (use
-        :meth:`get_finished`).
-        """
+        or cancelled (each once; never blocks). ``ContractError`` before shutdown."""
         if not self._closed:
             raise ContractError(f"tier {self.name}: results_after_shutdown() before shutdown()")
-        finished = [*self._ready, *self._take_results()]
-        self._ready.clear()
-        for result in finished:
-            self._deliver(result)
-        return finished
+        return list(self._collect())
 
     @property
     def closed(self) -> bool:

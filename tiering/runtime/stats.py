@@ -98,3 +98,46 @@ class TierStats:
     def load_bytes_per_s(self) -> float:
         """Bytes loaded per second of load transfer time (0 before any load)."""
         return self.bytes_loaded / self.load_seconds if self.load_seconds > 0 else 0.0
+
+
+def tier_stats(
+    counters: TierCounters,
+    *,
+    name: str,
+    tier_type: str,
+    blocks_held: int,
+    capacity_blocks: int | None,
+    store_jobs: int,
+    load_jobs: int,
+    closed: bool,
+) -> TierStats:
+    """The snapshot of a tier's counters and of what its scheduler side knows."""
+    submitted = store_jobs + load_jobs
+    return TierStats(
+        name=name,
+        tier_type=tier_type,
+        blocks_held=blocks_held,
+        capacity_blocks=capacity_blocks,
+        jobs_submitted=submitted,
+        store_jobs_submitted=store_jobs,
+        load_jobs_submitted=load_jobs,
+        jobs_succeeded=counters.jobs_succeeded,
+        jobs_failed=counters.jobs_failed,
+        jobs_in_flight=max(0, submitted - counters.jobs_succeeded - counters.jobs_failed),
+        blocks_stored=counters.blocks_stored,
+        blocks_loaded=counters.blocks_loaded,
+        bytes_stored=counters.bytes_stored,
+        bytes_loaded=counters.bytes_loaded,
+        store_seconds=counters.store_seconds,
+        load_seconds=counters.load_seconds,
+        timeouts=counters.timeouts,
+        corrupt_reads=counters.corrupt_reads,
+        missing_reads=counters.missing_reads,
+        abandoned_jobs=counters.abandoned_jobs,
+        blocks_removed=counters.blocks_removed,
+        events_dropped=counters.events_dropped,
+        closed=closed,
+        store_seconds_counts=tuple(counters.store_seconds_counts),
+        load_seconds_counts=tuple(counters.load_seconds_counts),
+        parts_out_of_service=counters.parts_out_of_service,
+    )
