@@ -339,6 +339,21 @@ def test_a_bad_tier_names_its_position_type_and_key(
     assert named in err and "secondary_tiers[0]" in err
 
 
+def test_null_in_a_config_file_means_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/configuration.md: JSON/YAML null means "use the default", for the runtime's keys
+    and a tier's own options alike (the same rule as through the spec and the vLLM adapter)."""
+    config = tmp_path / "kv.yaml"
+    config.write_text(
+        "cpu_bytes_to_use: 1048576\n"
+        "secondary_tiers:\n"
+        "  - {type: memory, job_timeout_s: null, eviction_policy: null, capacity_blocks: null}\n"
+    )
+    assert main(["replay", *SMALL, "--config", str(config), "--json"]) == EXIT_OK
+    assert json.loads(capsys.readouterr().out)["ok"]
+
+
 def test_a_yaml_config_in_vllms_shape_builds_the_stack(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
