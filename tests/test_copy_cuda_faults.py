@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -203,23 +204,33 @@ def test_a_copy_that_raises_when_enqueued_fails_its_job_only(
         kv.close()
 
 
+def before_each_dma_runs(monkeypatch: pytest.MonkeyPatch, first: Callable[[], None]) -> None:
+    """Call ``first`` before each of the engine's byte-run computations (its host work)."""
+    from tiering.copy.cuda import copies as cuda_copies
+
+    real_runs = cuda_copies.dma_runs
+
+    def wrapped(*args: Any) -> Any:
+        first()
+        return real_runs(*args)
+
+    monkeypatch.setattr(cuda_copies, "dma_runs", wrapped)
+
+
 def test_host_work_that_raises_fails_its_job_only_and_enqueues_nothing(
     rig: SimulatedRig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tiering.copy.cuda import copies as cuda_copies
-
     kv = KVRig(rig, TWO_GROUPS, strategy="dma")
-    real_runs, calls = cuda_copies.dma_runs, []
+    calls: list[None] = []
 
-    def runs_failing_first(*args: Any) -> Any:
-        calls.append(args)
+    def fail_the_first() -> None:
+        calls.append(None)
         if len(calls) == 1:
             raise MemoryError("no room for the byte runs")
-        return real_runs(*args)
 
     try:
         before = kv.host.as_numpy().copy()
-        monkeypatch.setattr(cuda_copies, "dma_runs", runs_failing_first)
+        before_each_dma_runs(monkeypatch, fail_the_first)
         assert kv.worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([1, 2]))
         (failed,) = wait_all(kv.worker, [1])
         assert not failed.success and failed.error == "MemoryError: no room for the byte runs"
@@ -233,15 +244,9 @@ def test_a_jobs_start_event_is_recorded_after_its_host_work(
     rig: SimulatedRig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """transfer_time, timed by the start and end events, leaves the submission's Python out."""
-    from tiering.copy.cuda import copies as cuda_copies
-
     kv = KVRig(rig, TWO_GROUPS, strategy="dma")
     order: list[str] = []
-    real_runs, real_new_event = cuda_copies.dma_runs, rig.sim.new_event
-
-    def logged_runs(*args: Any) -> Any:
-        order.append("runs")
-        return real_runs(*args)
+    real_new_event = rig.sim.new_event
 
     def logged_event() -> Any:
         event = real_new_event()
@@ -255,7 +260,7 @@ def test_a_jobs_start_event_is_recorded_after_its_host_work(
         return event
 
     try:
-        monkeypatch.setattr(cuda_copies, "dma_runs", logged_runs)
+        before_each_dma_runs(monkeypatch, lambda: order.append("runs"))
         monkeypatch.setattr(rig.sim, "new_event", logged_event)
         assert kv.worker.submit_store(1, g0([1, 2]), CPULoadStoreSpec([1, 2]))
         (result,) = wait_all(kv.worker, [1])
